@@ -1,0 +1,49 @@
+# The two commands of the Quickstart: `make up` and `make test`.
+# Both create .venv, install what they need and are quick on a second run.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The model package is installed without its declared dependencies (torch): see pyproject.toml.
+MODEL_REQ := $(shell sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)
+# Debian packages the test suite needs (installed when missing).
+APT_PACKAGES :=
+export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
+
+.PHONY: up test venv model system-deps bench lint clean help
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+venv: $(STAMP)  ## create .venv and install inferlb with its test extra
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --no-deps "$(MODEL_REQ)"
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $@
+
+system-deps:  ## install the Debian packages the tests need
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+
+model: $(STAMP)  ## convert the packaged weights to ONNX (fp32 + int8), cached in $(INFERLB_DATA_DIR)
+	$(PY) -m workers prepare
+
+up: model  ## run the local stack
+	$(VENV)/bin/inferlb up
+
+test: system-deps model  ## run the whole test suite
+	$(PY) -m pytest
+
+bench: model  ## worker benchmarks (results go in docs/benchmarks.md)
+	$(PY) scripts/bench_worker.py
+
+clean:  ## remove .venv and the data directory
+	rm -rf $(VENV) $(INFERLB_DATA_DIR)
