@@ -1,0 +1,107 @@
+"""``python -m workers``: serve embeddings, or ``python -m workers prepare`` the model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .config import WorkerConfig, load_config
+
+log = logging.getLogger("inferlb.worker")
+
+MODEL_ALIASES = ("sentence-transformers/all-MiniLM-L6-v2",)
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m workers",
+        description=(
+            "Serve all-MiniLM-L6-v2 embeddings over an OpenAI-compatible API with micro-batching, "
+            "Prometheus metrics and ORCA load reports. Settings come from --config FILE ([worker] table), "
+            "then INFERLB_WORKER_<NAME> environment variables, then these flags.\n\n"
+            "Run 'python -m workers prepare' first (or 'make model') to build the ONNX models."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", type=Path, help="TOML file with a [worker] table")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8101)")
+    p.add_argument("--data-dir", type=Path, help="model cache and state (default $INFERLB_DATA_DIR or ./.inferlb)")
+    p.add_argument("--precision", choices=["int8", "fp32"], help="model precision (default int8)")
+    p.add_argument("--threads", dest="intra_op_threads", type=int, help="ONNX Runtime intra-op threads (default 1)")
+    p.add_argument("--spinning", dest="allow_spinning", action="store_true", default=None,
+                   help="let ONNX Runtime threads spin (off by default: workers share cores)")
+    p.add_argument("--cpus", type=float, help="cores allotted; cpu_utilization is a fraction of this (default 1)")
+    p.add_argument("--max-batch-tokens", type=int, help="padded tokens per batch (default 4096)")
+    p.add_argument("--max-batch-size", type=int, help="inputs per batch (default 64)")
+    p.add_argument("--max-batch-wait-ms", type=float, help="cap of the adaptive batch window (default 5)")
+    p.add_argument("--max-inputs", type=int, help="inputs per request (default 2048)")
+    p.add_argument("--max-body-bytes", type=int, help="request body limit (default 4 MiB)")
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
+                   help="seconds in-flight requests get after SIGTERM (default 30)")
+    p.add_argument("--access-log", action="store_true", default=None, help="log every request")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def _prepare_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m workers prepare",
+        description="Convert the packaged all-MiniLM-L6-v2 weights to ONNX (fp32 and int8), cached in the data dir.",
+    )
+    p.add_argument("--data-dir", type=Path, help="default $INFERLB_DATA_DIR or ./.inferlb")
+    return p
+
+
+def prepare(argv: Sequence[str]) -> int:
+    from .model_store import prepare_models
+
+    args = _prepare_parser().parse_args(argv)
+    config = load_config(overrides={"data_dir": args.data_dir})
+    artifacts = prepare_models(config.data_dir, progress=lambda msg: print(f"[model] {msg}", flush=True))
+    print(f"[model] fp32: {artifacts.fp32}\n[model] int8: {artifacts.int8}", flush=True)
+    return 0
+
+
+def build_service(config: WorkerConfig):  # type: ignore[no-untyped-def]
+    """Load the tokenizer now and the engine at warm-up, from the prepared models."""
+    from .engine import Engine
+    from .model_store import prepare_models
+    from .service import EmbeddingService, ModelInfo
+    from .tokenization import load_tokenizer
+
+    artifacts = prepare_models(config.data_dir, progress=lambda msg: log.info(msg))
+    model_path = artifacts.int8 if config.precision == "int8" else artifacts.fp32
+    model = ModelInfo(artifacts.model_name, artifacts.max_tokens, artifacts.dimensions, MODEL_ALIASES)
+
+    def engine_factory() -> Engine:
+        return Engine(model_path, intra_op_threads=config.intra_op_threads, allow_spinning=config.allow_spinning)
+
+    return EmbeddingService(config, model, load_tokenizer(artifacts.tokenizer, artifacts.max_tokens), engine_factory)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "prepare":
+        return prepare(argv[1:])
+    args = _serve_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        config = load_config(args.config, overrides)
+    except (ValueError, OSError) as exc:
+        print(f"python -m workers: {exc}", file=sys.stderr)
+        return 2
+    from .server import configure_logging, serve
+
+    configure_logging(config.log_level, component=f"worker:{config.port}")
+    log.info("starting", extra={"host": config.host, "port": config.port, "precision": config.precision,
+                                "threads": config.intra_op_threads})
+    serve(config, build_service(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

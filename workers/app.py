@@ -1,0 +1,99 @@
+"""HTTP routes of a worker (Starlette): the OpenAI API, probes and metrics.
+
+Starlette rather than FastAPI here: five routes on the hot path need no
+schema layer, and validation lives in ``workers.protocol`` with OpenAI's
+error shape. (The admin API, which needs OpenAPI, uses FastAPI.)
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from .protocol import APIError, error_body, models_response
+from .service import EmbeddingService
+
+JSON = "application/json"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed ``limit`` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes, over the limit of {limit}", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_app(service: EmbeddingService, *, manage_lifecycle: bool = True) -> Starlette:
+    """Build the app; with ``manage_lifecycle`` the lifespan starts and stops the service."""
+
+    async def embeddings(request: Request) -> Response:
+        if service.draining:
+            err = APIError(503, "worker is shutting down", type="server_error", code="shutting_down")
+            return Response(err.body(), 503, media_type=JSON, headers={"connection": "close"})
+        try:
+            body = await read_body(request, service.config.max_body_bytes)
+        except APIError as exc:
+            service.metrics.request_done(exc.status, 0.0)
+            return Response(exc.body(), exc.status, media_type=JSON, headers={"connection": "close"})
+        reply = await service.embeddings(body)
+        return Response(reply.body, reply.status, media_type=JSON, headers=reply.headers)
+
+    async def models(request: Request) -> Response:
+        return Response(models_response([service.model.name], service.created), media_type=JSON)
+
+    async def healthz(request: Request) -> Response:
+        return Response(orjson.dumps({"status": "alive"}), media_type=JSON)
+
+    async def readyz(request: Request) -> Response:
+        if service.ready:
+            return Response(orjson.dumps({"status": "ready", "model": service.model.name}), media_type=JSON)
+        return Response(
+            orjson.dumps({"status": "not ready", "reason": service.not_ready_reason}), 503, media_type=JSON
+        )
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return Response(
+            error_body(message, type="invalid_request_error", code=code), exc.status_code, media_type=JSON,
+            headers=exc.headers,
+        )
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    return Starlette(
+        routes=[
+            Route("/v1/embeddings", embeddings, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/healthz", healthz, methods=["GET"]),
+            Route("/readyz", readyz, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan if manage_lifecycle else None,
+    )

@@ -1,0 +1,116 @@
+"""Worker configuration: defaults, then a TOML file's ``[worker]`` table, then
+``INFERLB_WORKER_*`` environment variables, then command-line flags.
+
+One frozen dataclass holds the result so every part of the worker reads the
+same validated values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+Precision = Literal["int8", "fp32"]
+
+ENV_PREFIX = "INFERLB_WORKER_"
+
+
+def default_data_dir() -> Path:
+    """Where models, logs and state live: ``$INFERLB_DATA_DIR`` or ``./.inferlb``."""
+    return Path(os.environ.get("INFERLB_DATA_DIR", ".inferlb")).resolve()
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8101
+    data_dir: Path = field(default_factory=default_data_dir)
+    precision: Precision = "int8"
+    # ONNX Runtime threads. Two 1-thread workers beat one 2-thread worker here.
+    intra_op_threads: int = 1
+    allow_spinning: bool = False
+    # Cores the worker is allotted; cpu_utilization is reported as a fraction of it.
+    cpus: float = 1.0
+    # Micro-batching: padded tokens and items per batch, and the cap of the adaptive window.
+    max_batch_tokens: int = 4096
+    max_batch_size: int = 64
+    max_batch_wait_ms: float = 5.0
+    # Request limits.
+    max_inputs: int = 2048
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_queue_items: int = 8192
+    # Seconds in-flight requests get to finish after SIGTERM.
+    shutdown_timeout_s: float = 30.0
+    access_log: bool = False
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 < self.port < 65536:
+            problems.append(f"port must be 1..65535, got {self.port}")
+        if self.precision not in ("int8", "fp32"):
+            problems.append(f"precision must be int8 or fp32, got {self.precision!r}")
+        for name in ("intra_op_threads", "max_batch_tokens", "max_batch_size", "max_inputs",
+                     "max_body_bytes", "max_queue_items"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("cpus", "shutdown_timeout_s"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_batch_wait_ms < 0:
+            problems.append(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
+        if problems:
+            raise ValueError("invalid worker config: " + "; ".join(problems))
+
+
+def _coerce(name: str, raw: Any, default: Any) -> Any:
+    """Turn a string (env) or TOML value into the type of the field's default."""
+    if isinstance(default, bool):
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}: expected a boolean, got {raw!r}")
+    if isinstance(default, Path):
+        return Path(raw).resolve()
+    try:
+        return type(default)(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected {type(default).__name__}, got {raw!r}") from None
+
+
+def load_config(
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> WorkerConfig:
+    """Merge defaults, the config file, the environment and explicit overrides."""
+    environ = os.environ if environ is None else environ
+    base = WorkerConfig()
+    known = {f.name for f in fields(WorkerConfig)}
+    values: dict[str, Any] = {}
+
+    if config_file is not None:
+        with open(config_file, "rb") as fh:
+            table = tomllib.load(fh).get("worker", {})
+        unknown = set(table) - known
+        if unknown:
+            raise ValueError(f"{config_file}: unknown [worker] keys: {', '.join(sorted(unknown))}")
+        values.update(table)
+    for name in known:
+        env_name = ENV_PREFIX + name.upper()
+        if env_name in environ:
+            values[name] = environ[env_name]
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            values[name] = value
+
+    coerced = {k: _coerce(k, v, getattr(base, k)) for k, v in values.items()}
+    return dataclasses.replace(base, **coerced)

@@ -1,0 +1,159 @@
+"""The worker's Prometheus metrics and the load figures behind its ORCA header.
+
+The control plane scrapes these to compute weights, so they are named and
+bucketed for that: queue wait apart from compute, tokens as well as requests,
+and CPU as a fraction of the cores the worker is allotted.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import psutil
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048, 4.096, 8.192)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class LoadSampler:
+    """CPU utilisation and request rate over the last sampling interval.
+
+    Sampled on a timer rather than per request so that the ORCA header costs
+    nothing on the hot path and reports a steady figure.
+    """
+
+    cpus: float
+    _process: psutil.Process = field(default_factory=psutil.Process)
+    _last_cpu: float = 0.0
+    _last_time: float = 0.0
+    _last_requests: float = 0.0
+    cpu_utilization: float = 0.0
+    rps: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._last_time = time.monotonic()
+        times = self._process.cpu_times()
+        self._last_cpu = times.user + times.system
+
+    def sample(self, requests_total: float) -> None:
+        now = time.monotonic()
+        times = self._process.cpu_times()
+        cpu = times.user + times.system
+        elapsed = now - self._last_time
+        if elapsed <= 0:
+            return
+        self.cpu_utilization = min(1.0, max(0.0, (cpu - self._last_cpu) / (elapsed * self.cpus)))
+        self.rps = max(0.0, (requests_total - self._last_requests) / elapsed)
+        self._last_cpu, self._last_time, self._last_requests = cpu, now, requests_total
+
+
+class WorkerMetrics:
+    """All metrics of one worker, in a registry of its own (no global state)."""
+
+    def __init__(self, *, cpus: float, model: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self.requests = Counter(
+            "inferlb_worker_requests", "Embedding requests by HTTP status.", ["code"], registry=r
+        )
+        self.request_duration = Histogram(
+            "inferlb_worker_request_duration_seconds",
+            "Time from request received to response ready.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "inferlb_worker_queue_wait_seconds",
+            "Time an input waited in the batch queue.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.compute = Histogram(
+            "inferlb_worker_batch_compute_seconds",
+            "Inference time of one batch.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "inferlb_worker_batch_size", "Inputs per batch.", buckets=BATCH_SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "inferlb_worker_batch_tokens", "Real tokens per batch.", buckets=BATCH_TOKEN_BUCKETS, registry=r
+        )
+        self.batch_padded_tokens = Histogram(
+            "inferlb_worker_batch_padded_tokens",
+            "Padded tokens per batch (what the model computes).",
+            buckets=BATCH_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter("inferlb_worker_tokens", "Tokens embedded.", registry=r)
+        self.inputs = Counter("inferlb_worker_inputs", "Inputs (texts or token arrays) embedded.", registry=r)
+        self.queue_depth_gauge = Gauge("inferlb_worker_queue_depth", "Inputs waiting for a batch.", registry=r)
+        self.inflight = Gauge("inferlb_worker_inflight_requests", "Requests being served.", registry=r)
+        self.cpu = Gauge(
+            "inferlb_worker_cpu_utilization", "Process CPU use as a fraction (0..1) of its allotted cores.", registry=r
+        )
+        self.rps_gauge = Gauge("inferlb_worker_requests_per_second", "Request rate over the last interval.", registry=r)
+        self.ready = Gauge("inferlb_worker_ready", "1 once warm-up passed and until shutdown began.", registry=r)
+        self.batch_cost = Gauge(
+            "inferlb_worker_batch_cost_seconds",
+            "Fitted batch time model t = per_token * padded_tokens + fixed.",
+            ["term"],
+            registry=r,
+        )
+        info = Gauge("inferlb_worker_info", "Static worker facts.", ["model", "cpus"], registry=r)
+        info.labels(model=model, cpus=str(cpus)).set(1)
+        self.load = LoadSampler(cpus=cpus)
+        self._completed = 0
+
+    def request_done(self, code: int, seconds: float) -> None:
+        self.requests.labels(code=str(code)).inc()
+        self.request_duration.observe(seconds)
+        self._completed += 1
+
+    # BatchObserver
+    def batch_done(self, *, size: int, tokens: int, padded_tokens: int, seconds: float) -> None:
+        self.compute.observe(seconds)
+        self.batch_size.observe(size)
+        self.batch_tokens.observe(tokens)
+        self.batch_padded_tokens.observe(padded_tokens)
+        self.tokens.inc(tokens)
+        self.inputs.inc(size)
+
+    def queue_wait(self, seconds: float) -> None:
+        self.queue_wait_seconds.observe(seconds)
+
+    def queue_depth(self, items: int) -> None:
+        self.queue_depth_gauge.set(items)
+
+    # periodic
+    def sample_load(self, batch_cost: tuple[float, float]) -> None:
+        self.load.sample(self._completed)
+        self.cpu.set(self.load.cpu_utilization)
+        self.rps_gauge.set(self.load.rps)
+        self.batch_cost.labels(term="per_token").set(batch_cost[0])
+        self.batch_cost.labels(term="fixed").set(batch_cost[1])
+
+    def orca_header(self, *, queued: int, inflight: int) -> str:
+        """ORCA load report in Envoy's TEXT format for ``endpoint-load-metrics``."""
+        return (
+            f"TEXT cpu_utilization={self.load.cpu_utilization:.4f}, rps_fractional={self.load.rps:.3f}, "
+            f"named_metrics.queue={queued}, named_metrics.inflight={inflight}"
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
