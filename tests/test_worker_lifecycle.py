@@ -1,0 +1,169 @@
+"""Readiness only after warm-up, a failed warm-up never turns ready, and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from workers.app import create_app
+from workers.config import WorkerConfig
+from workers.engine import Engine
+from workers.model_store import prepare_models
+from workers.service import EmbeddingService, ModelInfo
+from workers.tokenization import load_tokenizer
+
+from .conftest import free_port, running_worker, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+class _InProcessServer(uvicorn.Server):
+    """A real HTTP server in the test's loop, leaving the test runner's signal handlers alone."""
+
+    def capture_signals(self):  # type: ignore[no-untyped-def, override]
+        return contextlib.nullcontext()
+
+
+async def _serve_in_process(service: EmbeddingService, port: int):  # type: ignore[no-untyped-def]
+    config = uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_config=None, lifespan="on")
+    server = _InProcessServer(config)
+    task = asyncio.ensure_future(server.serve())
+    return server, task
+
+
+async def _poll(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not (result := await predicate()):
+        if loop.time() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+    return result
+
+
+def _service(data_dir: Path, engine_factory) -> EmbeddingService:  # type: ignore[no-untyped-def]
+    artifacts = prepare_models(data_dir)
+    model = ModelInfo(artifacts.model_name, artifacts.max_tokens, artifacts.dimensions)
+    return EmbeddingService(WorkerConfig(data_dir=data_dir), model, load_tokenizer(artifacts.tokenizer), engine_factory)
+
+
+def test_ready_only_after_warm_up_inference_passes(data_dir: Path) -> None:
+    gate = threading.Event()
+    artifacts = prepare_models(data_dir)
+
+    def gated_engine() -> Engine:
+        assert gate.wait(60), "test never opened the gate"
+        return Engine(artifacts.int8)
+
+    async def main() -> None:
+        service = _service(data_dir, gated_engine)
+        port = free_port()
+        server, task = await _serve_in_process(service, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+
+                async def listening() -> bool:
+                    try:
+                        return (await http.get(f"{url}/healthz")).status_code == 200
+                    except httpx.TransportError:
+                        return False
+
+                await _poll(listening, 30, "the server to listen")
+                not_ready = await http.get(f"{url}/readyz")
+                assert not_ready.status_code == 503
+                assert not_ready.json()["reason"] == "warming up"
+                early = await http.post(f"{url}/v1/embeddings", json={"input": "too early"})
+                assert early.status_code == 503 and early.json()["error"]["code"] == "not_ready"
+
+                gate.set()
+
+                async def ready() -> bool:
+                    return (await http.get(f"{url}/readyz")).status_code == 200
+
+                await _poll(ready, 60, "readiness after warm-up")
+                assert service.metrics.tokens._value.get() > 0  # the warm-up batch really ran
+                ok = await http.post(f"{url}/v1/embeddings", json={"input": "now"})
+                assert ok.status_code == 200
+        finally:
+            gate.set()
+            server.should_exit = True
+            await asyncio.wait_for(task, 60)
+
+    asyncio.run(main())
+
+
+def test_a_failed_warm_up_keeps_the_worker_unready(data_dir: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not an onnx model")
+
+    async def main() -> None:
+        service = _service(data_dir, lambda: Engine(broken))
+        port = free_port()
+        server, task = await _serve_in_process(service, port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with httpx.AsyncClient(timeout=30) as http:
+
+                async def failed() -> httpx.Response | None:
+                    try:
+                        r = await http.get(f"{url}/readyz")
+                    except httpx.TransportError:
+                        return None
+                    return r if "failed" in r.json()["reason"] else None
+
+                response = await _poll(failed, 60, "warm-up to fail")
+                assert response.status_code == 503
+                assert "warm-up failed" in response.json()["reason"]
+                assert (await http.get(f"{url}/healthz")).status_code == 200
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 60)
+
+    asyncio.run(main())
+
+
+def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(data_dir: Path, tmp_path: Path) -> None:
+    long_text = "graceful shutdown keeps every accepted request " * 40
+    body = {"input": [long_text] * 48}
+    with running_worker(data_dir, tmp_path) as worker:
+        results: list[httpx.Response | BaseException] = []
+
+        def send() -> None:
+            try:
+                results.append(httpx.post(f"{worker.url}/v1/embeddings", json=body, timeout=120))
+            except BaseException as exc:  # recorded, asserted below
+                results.append(exc)
+
+        clients = [threading.Thread(target=send) for _ in range(6)]
+        for t in clients:
+            t.start()
+
+        def all_in_flight() -> bool:
+            text = httpx.get(f"{worker.url}/metrics", timeout=10).text
+            line = next(l for l in text.splitlines() if l.startswith("inferlb_worker_inflight_requests "))
+            return float(line.split()[1]) == 6
+
+        wait_until(all_in_flight, 60, "six requests in flight")
+        worker.process.send_signal(signal.SIGTERM)
+        try:
+            refused = httpx.post(f"{worker.url}/v1/embeddings", json={"input": "late"}, timeout=30)
+            assert refused.status_code == 503
+        except httpx.TransportError:
+            pass  # the listener is already closed: refused as well
+        for t in clients:
+            t.join(120)
+        assert worker.process.wait(60) == 0, worker.log()
+        assert len(results) == 6
+        for r in results:
+            assert isinstance(r, httpx.Response), r
+            assert r.status_code == 200
+            assert len(r.json()["data"]) == 48
+        assert '"draining"' in worker.log()
