@@ -1,0 +1,141 @@
+"""The control plane's domain state: endpoints, their telemetry and weights, and
+the data-plane settings that Envoy's resources are built from.
+
+Everything here is a frozen dataclass. State changes by building a new value
+(``dataclasses.replace``), so a snapshot handed to the resource builders or a
+policy can never change under them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
+
+EndpointSource = Literal["static", "api", "kubernetes"]
+
+MIN_WEIGHT = 1
+MAX_WEIGHT = 1000
+DEFAULT_WEIGHT = 100
+
+
+class Health(enum.Enum):
+    UNKNOWN = "unknown"  # not scraped yet: routable, Envoy's own health checks decide
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # scrapes failed N times in a row
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """Windowed, EWMA-smoothed figures derived from one worker's /metrics.
+
+    Rates are per second over the scrape window; latencies in seconds.
+    ``observed_at`` is the ``time.monotonic()`` of the last successful scrape:
+    figures older than a few intervals are stale and must not be used as fresh.
+    """
+
+    observed_at: float
+    cpu_utilization: float = 0.0  # 0..1 of the worker's allotted cores
+    latency_mean_s: float = 0.0
+    latency_p50_s: float = 0.0
+    latency_p99_s: float = 0.0
+    latency_per_token_s: float = 0.0  # request seconds per token served
+    queue_wait_mean_s: float = 0.0
+    queue_depth: float = 0.0
+    inflight: float = 0.0
+    rps: float = 0.0
+    tokens_per_s: float = 0.0
+    error_rate: float = 0.0  # fraction of requests answered 5xx (or 429) in the window
+    batch_cost_per_token_s: float = 0.0  # the worker's own fit t = a * tokens + b
+    batch_cost_fixed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    address: str
+    port: int
+    source: EndpointSource = "static"
+    health: Health = Health.UNKNOWN
+    draining: bool = False
+    computed_weight: int = DEFAULT_WEIGHT
+    pinned_weight: int | None = None
+    telemetry: Telemetry | None = None
+    consecutive_scrape_failures: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    @property
+    def effective_weight(self) -> int:
+        """What Envoy gets: a pin beats the policy; always within 1..1000."""
+        weight = self.pinned_weight if self.pinned_weight is not None else self.computed_weight
+        return max(MIN_WEIGHT, min(MAX_WEIGHT, weight))
+
+    @property
+    def routable(self) -> bool:
+        return not self.draining and self.health is not Health.UNHEALTHY
+
+
+@dataclass(frozen=True)
+class ExtProcSettings:
+    """The ext_proc filter in the listener and the cluster that reaches ext_proc."""
+
+    address: str = "127.0.0.1"
+    port: int = 9002
+    message_timeout_ms: int = 200
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    failure_mode_allow: bool = True
+
+
+@dataclass(frozen=True)
+class DataPlaneSettings:
+    """Everything about Envoy's resources that is not an endpoint."""
+
+    listener_address: str = "127.0.0.1"
+    listener_port: int = 10000
+    listener_name: str = "inferlb_http"
+    route_name: str = "inferlb_routes"
+    workers_cluster: str = "workers"
+    ext_proc_cluster: str = "ext_proc"
+    ext_proc: ExtProcSettings = field(default_factory=ExtProcSettings)
+    request_timeout_s: float = 60.0
+    # cluster "workers"
+    connect_timeout_s: float = 1.0
+    health_check_path: str = "/readyz"
+    health_check_interval_s: float = 1.0
+    health_check_timeout_s: float = 1.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+    retries: int = 2
+    slow_start_window_s: float = 10.0
+    max_connections: int = 4096
+    max_pending_requests: int = 4096
+    max_requests: int = 4096
+    max_retries: int = 64
+    outlier_consecutive_5xx: int = 5
+    outlier_base_ejection_s: float = 10.0
+    outlier_max_ejection_percent: int = 50
+    # the Endpoint Picker Protocol header / metadata key
+    pick_header: str = "x-gateway-destination-endpoint"
+    pick_metadata_namespace: str = "envoy.lb"
+
+
+@dataclass(frozen=True)
+class PickPolicySpec:
+    """The pick policy ext_proc should run; it reaches ext_proc as EDS metadata, never by import."""
+
+    name: str = "least_completion_time"
+    params: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """The whole input of the resource builders: one value, one set of resources."""
+
+    endpoints: tuple[Endpoint, ...] = ()
+    settings: DataPlaneSettings = field(default_factory=DataPlaneSettings)
+    pick_policy: PickPolicySpec = field(default_factory=PickPolicySpec)
+
+    def endpoint(self, endpoint_id: str) -> Endpoint | None:
+        return next((e for e in self.endpoints if e.id == endpoint_id), None)
