@@ -1,0 +1,132 @@
+"""Control-plane settings: defaults < the config file's ``[control_plane]`` table
+< ``INFERLB_CP_*`` environment variables < command-line flags.
+
+pydantic-settings does the merging and validation, so a bad value is refused
+at startup with the field's name, never half-applied.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from .model import DataPlaneSettings, ExtProcSettings
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``host:port`` → (host, port); ValueError saying what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint {text!r} is not host:port with a port in 1..65535")
+    return host.strip("[]"), int(port)
+
+
+class DataPlaneConfig(BaseModel):
+    """The tunable part of Envoy's resources (see ``model.DataPlaneSettings``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    listener_address: str = "127.0.0.1"
+    listener_port: int = Field(10000, ge=1, le=65535)
+    ext_proc_address: str = "127.0.0.1"
+    ext_proc_port: int = Field(9002, ge=1, le=65535)
+    ext_proc_message_timeout_ms: int = Field(200, ge=1, le=60000)
+    max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    request_timeout_s: float = Field(60.0, gt=0)
+    retries: int = Field(2, ge=0, le=10)
+    health_check_interval_s: float = Field(1.0, gt=0)
+    slow_start_window_s: float = Field(10.0, ge=0)
+
+    def settings(self) -> DataPlaneSettings:
+        return DataPlaneSettings(
+            listener_address=self.listener_address,
+            listener_port=self.listener_port,
+            ext_proc=ExtProcSettings(
+                address=self.ext_proc_address,
+                port=self.ext_proc_port,
+                message_timeout_ms=self.ext_proc_message_timeout_ms,
+                max_request_body_bytes=self.max_request_body_bytes,
+            ),
+            request_timeout_s=self.request_timeout_s,
+            retries=self.retries,
+            health_check_interval_s=self.health_check_interval_s,
+            slow_start_window_s=self.slow_start_window_s,
+        )
+
+
+class ControlPlaneConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="INFERLB_CP_", env_nested_delimiter="__", extra="forbid")
+
+    xds_address: str = "127.0.0.1"
+    xds_port: int = Field(18000, ge=1, le=65535)
+    admin_address: str = "127.0.0.1"
+    admin_port: int = Field(8080, ge=1, le=65535)
+    # Static endpoints, host:port each (comma-separated in the environment).
+    endpoints: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    scrape_interval_s: float = Field(0.5, gt=0)
+    scrape_timeout_s: float = Field(1.0, gt=0)
+    unhealthy_after: int = Field(3, ge=1)
+    stale_after_intervals: int = Field(4, ge=1)
+    weight_policy: str = "capacity"
+    weight_params: dict[str, Any] = Field(default_factory=dict)
+    debounce_s: float = Field(0.1, ge=0)
+    debounce_max_s: float = Field(1.0, gt=0)
+    node_group_key: Literal["cluster", "id"] = "cluster"
+    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("endpoints", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part for part in (p.strip() for p in value.split(",")) if part]
+        return value
+
+    @field_validator("endpoints")
+    @classmethod
+    def _valid_endpoints(cls, value: list[str]) -> list[str]:
+        seen = set()
+        for text in value:
+            host, port = parse_endpoint(text)
+            if (host, port) in seen:
+                raise ValueError(f"endpoint {text!r} is listed twice")
+            seen.add((host, port))
+        return value
+
+    @property
+    def stale_after_s(self) -> float:
+        return self.scrape_interval_s * self.stale_after_intervals
+
+
+def load_config(config_file: Path | None = None, overrides: Mapping[str, Any] | None = None) -> ControlPlaneConfig:
+    """Merge the sources; raises pydantic's ValidationError (or OSError) saying what is wrong."""
+    table: dict[str, Any] = {}
+    if config_file is not None:
+        with open(config_file, "rb") as fh:
+            table = tomllib.load(fh).get("control_plane", {})
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+
+    class _Merged(ControlPlaneConfig):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return init_settings, env_settings, InitSettingsSource(settings_cls, init_kwargs=table)
+
+    merged = _Merged(**flags)
+    return ControlPlaneConfig.model_construct(**{name: getattr(merged, name) for name in ControlPlaneConfig.model_fields})

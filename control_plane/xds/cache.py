@@ -1,0 +1,151 @@
+"""Snapshots per node group, the streams watching them, and their status.
+
+The cache knows nothing of the xDS protocol: it stores the latest snapshot of
+each node group and wakes the streams of a group when it changes. Each stream
+then works out, from its own protocol state, what (if anything) to send. This
+is go-control-plane's split (cache apart from server) without its per-request
+watch churn: a stream holds one long-lived :class:`Watch`.
+
+Everything here runs on the event loop; ``set_snapshot`` must be called from
+it (build the snapshot in a thread, set it on the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from envoy.config.core.v3 import base_pb2
+
+from control_plane.xds.clients import ClientStatus, StreamRecord
+from control_plane.xds.snapshot import Snapshot
+
+NodeGroup = Callable[[base_pb2.Node], str]
+
+
+def default_node_group(node: base_pb2.Node) -> str:
+    """Envoys of one ``--service-cluster`` share a snapshot; a node without one gets its own id."""
+    return node.cluster or node.id
+
+
+class Watch:
+    """One stream's subscription to its group's snapshot: an event to wake it, and a close flag."""
+
+    __slots__ = ("group", "record", "_wake", "closed", "changed_at")
+
+    def __init__(self, group: str, record: StreamRecord, wake: asyncio.Event) -> None:
+        self.group = group
+        self.record = record
+        self._wake = wake
+        self.closed = False
+        # monotonic time of the first snapshot change not yet seen by the stream
+        self.changed_at: float | None = None
+
+    def notify(self) -> None:
+        if self.changed_at is None:
+            self.changed_at = time.monotonic()
+        self._wake.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake.set()
+
+    def take_changed_at(self) -> float | None:
+        changed_at, self.changed_at = self.changed_at, None
+        return changed_at
+
+
+@dataclass(frozen=True, slots=True)
+class XdsCounters:
+    """Totals since start, per type URL, for /metrics."""
+
+    pushes: Mapping[str, int]
+    acks: Mapping[str, int]
+    nacks: Mapping[str, int]
+
+
+class SnapshotCache:
+    """The latest snapshot per node group plus the streams that watch each group."""
+
+    def __init__(self, node_group: NodeGroup = default_node_group) -> None:
+        self._node_group = node_group
+        self._snapshots: dict[str, Snapshot] = {}
+        self._watches: dict[str, set[Watch]] = {}
+        self._pushes: Counter[str] = Counter()
+        self._acks: Counter[str] = Counter()
+        self._nacks: Counter[str] = Counter()
+
+    # -- snapshots ---------------------------------------------------------------
+
+    def group_of(self, node: base_pb2.Node) -> str:
+        return self._node_group(node)
+
+    def set_snapshot(self, group: str, snapshot: Snapshot) -> None:
+        """Make ``snapshot`` current for ``group`` and wake that group's streams (loop thread only)."""
+        watches = self._watches.get(group, ())
+        if watches:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                raise RuntimeError("set_snapshot must be called on the event loop that serves xDS "
+                                   "(build the snapshot in a thread, set it on the loop)") from None
+        previous = self._snapshots.get(group)
+        self._snapshots[group] = snapshot
+        if previous is not None and not snapshot.changed_types(previous):
+            return  # identical content: nothing for any stream to do
+        for watch in watches:
+            watch.notify()
+
+    def get(self, group: str) -> Snapshot | None:
+        return self._snapshots.get(group)
+
+    def groups(self) -> list[str]:
+        return sorted(self._snapshots)
+
+    def clear_snapshot(self, group: str) -> None:
+        """Forget a group's snapshot; its streams keep what they have and wait for the next one."""
+        self._snapshots.pop(group, None)
+
+    # -- streams -----------------------------------------------------------------
+
+    def watch(self, record: StreamRecord, wake: asyncio.Event) -> Watch:
+        watch = Watch(record.group, record, wake)
+        self._watches.setdefault(record.group, set()).add(watch)
+        return watch
+
+    def unwatch(self, watch: Watch) -> None:
+        watches = self._watches.get(watch.group)
+        if watches is not None:
+            watches.discard(watch)
+            if not watches:
+                del self._watches[watch.group]
+
+    def close_streams(self) -> None:
+        """Ask every stream to end (graceful shutdown): clients reconnect elsewhere."""
+        for watches in self._watches.values():
+            for watch in watches:
+                watch.close()
+
+    def clients(self) -> list[ClientStatus]:
+        """A frozen copy of every connected stream's status, oldest first."""
+        records = [w.record for ws in self._watches.values() for w in ws]
+        return [r.status() for r in sorted(records, key=lambda r: r.stream_id)]
+
+    # -- counters (the server calls these) -----------------------------------------
+
+    def count_push(self, type_url: str) -> None:
+        self._pushes[type_url] += 1
+
+    def count_ack(self, type_url: str) -> None:
+        self._acks[type_url] += 1
+
+    def count_nack(self, type_url: str) -> None:
+        self._nacks[type_url] += 1
+
+    def counters(self) -> XdsCounters:
+        return XdsCounters(MappingProxyType(dict(self._pushes)), MappingProxyType(dict(self._acks)),
+                           MappingProxyType(dict(self._nacks)))

@@ -1,0 +1,355 @@
+"""The resource builders: every field Envoy's behaviour depends on, and deterministic bytes.
+
+No network and no Envoy here; tests/test_envoy_bootstrap.py feeds the same
+output to the real binary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+
+import pytest
+from google.protobuf import json_format
+
+from control_plane import type_urls
+from control_plane.model import (
+    MAX_WEIGHT,
+    DataPlaneSettings,
+    Endpoint,
+    ExtProcSettings,
+    FleetState,
+    Health,
+    PickPolicySpec,
+    Telemetry,
+)
+from control_plane.resources import (
+    build_ext_proc_cluster,
+    build_listener,
+    build_load_assignment,
+    build_resources,
+    build_route_configuration,
+    build_workers_cluster,
+    weights_of,
+)
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import config_source_pb2, health_check_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+
+TELEMETRY = Telemetry(
+    observed_at=123.0, cpu_utilization=0.5, latency_mean_s=0.02, latency_p50_s=0.015, latency_p99_s=0.09,
+    latency_per_token_s=0.0004, queue_wait_mean_s=0.003, queue_depth=2.0, inflight=3.0, rps=40.0,
+    tokens_per_s=5000.0, error_rate=0.01, batch_cost_per_token_s=0.0002, batch_cost_fixed_s=0.004,
+)
+
+
+def fleet(**settings_overrides: object) -> FleetState:
+    settings = replace(DataPlaneSettings(), **settings_overrides)  # type: ignore[arg-type]
+    return FleetState(
+        endpoints=(
+            # deliberately unsorted
+            Endpoint("127.0.0.1", 8103, health=Health.UNHEALTHY, computed_weight=50),
+            Endpoint("127.0.0.1", 8101, health=Health.HEALTHY, computed_weight=200, telemetry=TELEMETRY),
+            Endpoint("127.0.0.1", 8102, computed_weight=200, pinned_weight=7, draining=True),
+            Endpoint("127.0.0.1", 8104, computed_weight=0),
+        ),
+        settings=settings,
+        pick_policy=PickPolicySpec(name="least_completion_time", params={"alpha": 0.25, "use_queue": True}),
+    )
+
+
+def _unpack(any_message, cls):  # type: ignore[no-untyped-def]
+    message = cls()
+    assert any_message.Unpack(message), f"expected {cls.DESCRIPTOR.full_name}, got {any_message.type_url}"
+    return message
+
+
+def _hcm(settings: DataPlaneSettings) -> hcm_pb2.HttpConnectionManager:
+    listener = build_listener(settings)
+    (chain,) = listener.filter_chains
+    (network_filter,) = chain.filters
+    assert network_filter.name == "envoy.filters.network.http_connection_manager"
+    return _unpack(network_filter.typed_config, hcm_pb2.HttpConnectionManager)
+
+
+def _ext_proc(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalProcessor:
+    first = _hcm(settings).http_filters[0]
+    assert first.name == "envoy.filters.http.ext_proc"
+    return _unpack(first.typed_config, ext_proc_pb2.ExternalProcessor)
+
+
+def _override_host(cluster: cluster_pb2.Cluster) -> override_host_pb2.OverrideHost:
+    (policy,) = cluster.load_balancing_policy.policies
+    assert policy.typed_extension_config.name == "envoy.load_balancing_policies.override_host"
+    return _unpack(policy.typed_extension_config.typed_config, override_host_pb2.OverrideHost)
+
+
+def _by_port(state: FleetState):  # type: ignore[no-untyped-def]
+    cla = build_load_assignment(state)
+    (locality,) = cla.endpoints
+    return {e.endpoint.address.socket_address.port_value: e for e in locality.lb_endpoints}
+
+
+def _serialized(resources: dict) -> dict[tuple[str, str], bytes]:
+    return {(t, n): m.SerializeToString(deterministic=True) for t, named in resources.items() for n, m in named.items()}
+
+
+# --- listener ------------------------------------------------------------------------------------
+
+def test_listener_address_and_hcm() -> None:
+    settings = DataPlaneSettings(listener_address="127.0.0.1", listener_port=10555)
+    listener = build_listener(settings)
+    assert listener.name == settings.listener_name
+    assert listener.address.socket_address.address == "127.0.0.1"
+    assert listener.address.socket_address.port_value == 10555
+
+    hcm = _hcm(settings)
+    assert hcm.codec_type == hcm_pb2.HttpConnectionManager.AUTO
+    assert hcm.stat_prefix
+    assert hcm.rds.route_config_name == settings.route_name
+    assert hcm.rds.config_source.HasField("ads")
+    assert hcm.rds.config_source.resource_api_version == config_source_pb2.V3
+    assert hcm.HasField("use_remote_address") and hcm.use_remote_address.value is False
+    assert hcm.normalize_path.value is True
+    assert hcm.request_timeout.ToTimedelta().total_seconds() == settings.request_timeout_s
+    assert hcm.stream_idle_timeout.ToTimedelta().total_seconds() >= settings.request_timeout_s
+    assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    _unpack(hcm.http_filters[1].typed_config, router_pb2.Router)
+
+
+@pytest.mark.parametrize("fail_open", [True, False])
+def test_ext_proc_filter(fail_open: bool) -> None:
+    settings = DataPlaneSettings(ext_proc_cluster="picker",
+                                 ext_proc=ExtProcSettings(message_timeout_ms=150, failure_mode_allow=fail_open))
+    ext = _ext_proc(settings)
+    assert ext.grpc_service.envoy_grpc.cluster_name == "picker"
+    assert ext.grpc_service.timeout.ToTimedelta().total_seconds() >= settings.request_timeout_s
+    assert ext.failure_mode_allow is fail_open
+    assert ext.message_timeout.ToMilliseconds() == 150
+    assert ext.allow_mode_override is False
+    mode = processing_mode_pb2.ProcessingMode
+    assert ext.processing_mode == mode(
+        request_header_mode=mode.SEND, request_body_mode=mode.BUFFERED, request_trailer_mode=mode.SKIP,
+        response_header_mode=mode.SEND, response_body_mode=mode.NONE, response_trailer_mode=mode.SKIP,
+    )
+    # ext_proc may write the pick into envoy.lb, and only there.
+    assert list(ext.metadata_options.receiving_namespaces.untyped) == [settings.pick_metadata_namespace]
+    assert ext.route_cache_action == ext_proc_pb2.ExternalProcessor.RETAIN
+
+
+# --- routes --------------------------------------------------------------------------------------
+
+def test_route_configuration() -> None:
+    settings = DataPlaneSettings(retries=3, request_timeout_s=42.5,
+                                 ext_proc=ExtProcSettings(max_request_body_bytes=1234567))
+    config = build_route_configuration(settings)
+    assert config.name == settings.route_name
+    (vhost,) = config.virtual_hosts
+    assert list(vhost.domains) == ["*"]
+    (route,) = vhost.routes
+    assert route.match.prefix == "/"
+    assert route.route.cluster == settings.workers_cluster
+    assert route.route.timeout.ToTimedelta().total_seconds() == 42.5
+    retry = route.route.retry_policy
+    assert set(retry.retry_on.split(",")) == {"connect-failure", "reset", "5xx"}
+    assert retry.num_retries.value == 3
+    assert [p.name for p in retry.retry_host_predicate] == ["envoy.retry_host_predicates.previous_hosts"]
+    assert retry.retry_host_predicate[0].typed_config.type_url.endswith("PreviousHostsPredicate")
+    assert retry.host_selection_retry_max_attempts == 3
+    # The request-body limit that ext_proc BUFFERED mode and retries obey (413 beyond it).
+    assert route.request_body_buffer_limit.value == 1234567
+
+
+# --- clusters ------------------------------------------------------------------------------------
+
+def test_workers_cluster_is_eds_over_ads() -> None:
+    settings = DataPlaneSettings(connect_timeout_s=0.25)
+    cluster = build_workers_cluster(settings)
+    assert cluster.name == settings.workers_cluster
+    assert cluster.type == cluster_pb2.Cluster.EDS
+    assert cluster.eds_cluster_config.service_name == settings.workers_cluster
+    assert cluster.eds_cluster_config.eds_config.HasField("ads")
+    assert cluster.eds_cluster_config.eds_config.resource_api_version == config_source_pb2.V3
+    assert cluster.connect_timeout.ToMilliseconds() == 250
+    # the legacy enum must not compete with load_balancing_policy
+    assert cluster.lb_policy == cluster_pb2.Cluster.ROUND_ROBIN and not cluster.HasField("least_request_lb_config")
+
+
+def test_override_host_sources_and_least_request_fallback() -> None:
+    settings = DataPlaneSettings(slow_start_window_s=7.5)
+    override = _override_host(build_workers_cluster(settings))
+    sources = [(s.header, s.metadata.key, [p.key for p in s.metadata.path]) for s in override.override_host_sources]
+    assert sources == [
+        ("", "envoy.lb", ["x-gateway-destination-endpoint"]),  # ext_proc's dynamic metadata first
+        ("x-gateway-destination-endpoint", "", []),
+    ]
+    (fallback,) = override.fallback_policy.policies
+    assert fallback.typed_extension_config.name == "envoy.load_balancing_policies.least_request"
+    least = _unpack(fallback.typed_extension_config.typed_config, least_request_pb2.LeastRequest)
+    assert least.choice_count.value == 2
+    assert least.slow_start_config.slow_start_window.ToTimedelta().total_seconds() == 7.5
+
+
+def test_health_check_outlier_detection_and_circuit_breakers() -> None:
+    settings = DataPlaneSettings(
+        health_check_path="/ready-now", health_check_interval_s=0.5, health_check_timeout_s=0.25,
+        unhealthy_threshold=3, healthy_threshold=2, outlier_consecutive_5xx=4, outlier_base_ejection_s=12.0,
+        outlier_max_ejection_percent=40, max_connections=11, max_pending_requests=12, max_requests=13, max_retries=14,
+    )
+    cluster = build_workers_cluster(settings)
+    (check,) = cluster.health_checks
+    assert check.http_health_check.path == "/ready-now"
+    assert check.interval.ToMilliseconds() == 500
+    assert check.timeout.ToMilliseconds() == 250
+    assert check.no_traffic_interval.ToMilliseconds() == 500  # not Envoy's idle default of 60 s
+    assert (check.unhealthy_threshold.value, check.healthy_threshold.value) == (3, 2)
+
+    outlier = cluster.outlier_detection
+    assert outlier.consecutive_5xx.value == 4
+    assert outlier.base_ejection_time.ToTimedelta().total_seconds() == 12.0
+    assert outlier.max_ejection_percent.value == 40
+
+    (thresholds,) = cluster.circuit_breakers.thresholds
+    assert (thresholds.max_connections.value, thresholds.max_pending_requests.value,
+            thresholds.max_requests.value, thresholds.max_retries.value) == (11, 12, 13, 14)
+    assert cluster.common_lb_config.healthy_panic_threshold.value == 0.0
+
+
+def test_ext_proc_cluster_speaks_http2() -> None:
+    settings = DataPlaneSettings(ext_proc_cluster="picker", ext_proc=ExtProcSettings(address="127.0.0.2", port=9555))
+    cluster = build_ext_proc_cluster(settings)
+    assert cluster.name == "picker"
+    assert cluster.type == cluster_pb2.Cluster.STATIC
+    assert cluster.connect_timeout.ToTimedelta().total_seconds() == settings.connect_timeout_s
+    (locality,) = cluster.load_assignment.endpoints
+    (lb_endpoint,) = locality.lb_endpoints
+    socket = lb_endpoint.endpoint.address.socket_address
+    assert (socket.address, socket.port_value) == ("127.0.0.2", 9555)
+    options = _unpack(cluster.typed_extension_protocol_options["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"],
+                      http_protocol_options_pb2.HttpProtocolOptions)
+    assert options.explicit_http_config.HasField("http2_protocol_options")
+    # One stream per in-flight request: the breaker must not be Envoy's default 1024.
+    assert cluster.circuit_breakers.thresholds[0].max_requests.value == settings.max_requests
+
+
+def test_ext_proc_cluster_resolves_a_host_name() -> None:
+    cluster = build_ext_proc_cluster(DataPlaneSettings(ext_proc=ExtProcSettings(address="ext-proc")))
+    assert cluster.type == cluster_pb2.Cluster.STRICT_DNS
+
+
+# --- endpoints -----------------------------------------------------------------------------------
+
+def test_eds_weights_are_effective_weights() -> None:
+    state = fleet()
+    cla = build_load_assignment(state)
+    assert cla.cluster_name == state.settings.workers_cluster
+    assert weights_of(cla) == {e.id: e.effective_weight for e in state.endpoints}
+    assert weights_of(cla) == {"127.0.0.1:8101": 200, "127.0.0.1:8102": 7, "127.0.0.1:8103": 50,
+                               "127.0.0.1:8104": 1}
+    assert min(weights_of(cla).values()) >= 1
+
+
+def test_weight_is_clamped_never_zero() -> None:
+    state = FleetState(endpoints=(Endpoint("10.0.0.1", 1, pinned_weight=0), Endpoint("10.0.0.2", 1, computed_weight=-5),
+                                  Endpoint("10.0.0.3", 1, computed_weight=MAX_WEIGHT * 10)))
+    assert weights_of(build_load_assignment(state)) == {"10.0.0.1:1": 1, "10.0.0.2:1": 1, "10.0.0.3:1": MAX_WEIGHT}
+
+
+def test_endpoints_sorted_by_id() -> None:
+    (locality,) = build_load_assignment(fleet()).endpoints
+    ports = [e.endpoint.address.socket_address.port_value for e in locality.lb_endpoints]
+    assert ports == [8101, 8102, 8103, 8104]
+
+
+def test_health_status_mapping() -> None:
+    by_port = _by_port(fleet())
+    assert by_port[8101].health_status == health_check_pb2.HEALTHY
+    assert by_port[8102].health_status == health_check_pb2.DRAINING
+    assert by_port[8103].health_status == health_check_pb2.UNHEALTHY
+    assert by_port[8104].health_status == health_check_pb2.UNKNOWN
+    # draining wins over unhealthy
+    state = FleetState(endpoints=(Endpoint("127.0.0.1", 1, health=Health.UNHEALTHY, draining=True),))
+    assert _by_port(state)[1].health_status == health_check_pb2.DRAINING
+
+
+def test_endpoint_metadata() -> None:
+    by_port = _by_port(fleet())
+    meta = {p: json_format.MessageToDict(e.metadata.filter_metadata["inferlb"]) for p, e in by_port.items()}
+
+    pinned = meta[8102]
+    assert pinned == {"id": "127.0.0.1:8102", "weight": 7, "computed_weight": 200, "pinned_weight": 7,
+                      "draining": True, "health": "unknown"}
+
+    scraped = meta[8101]
+    assert scraped["pinned_weight"] is None and scraped["weight"] == 200 and scraped["health"] == "healthy"
+    telemetry = {f.name: getattr(TELEMETRY, f.name) for f in dataclasses.fields(TELEMETRY) if f.name != "observed_at"}
+    assert {k: scraped[k] for k in telemetry} == pytest.approx(telemetry)
+    assert "observed_at" not in scraped
+    assert "cpu_utilization" not in pinned  # never scraped: no figures
+    assert meta[8103]["health"] == "unhealthy"
+
+
+def test_pick_policy_on_the_locality() -> None:
+    (locality,) = build_load_assignment(fleet()).endpoints
+    meta = json_format.MessageToDict(locality.metadata.filter_metadata["inferlb"])
+    assert meta == {"pick_policy": {"name": "least_completion_time", "params": {"alpha": 0.25, "use_queue": True}}}
+
+
+def test_empty_fleet_still_carries_the_pick_policy() -> None:
+    cla = build_load_assignment(FleetState())
+    (locality,) = cla.endpoints
+    assert not locality.lb_endpoints
+    assert locality.metadata.filter_metadata["inferlb"].fields["pick_policy"].struct_value.fields["name"].string_value
+
+
+def test_overprovisioning_factor_is_explicit() -> None:
+    assert build_load_assignment(fleet()).policy.overprovisioning_factor.value == 100
+
+
+def test_unserialisable_pick_params_are_rejected() -> None:
+    state = replace(fleet(), pick_policy=PickPolicySpec(params={"bad": object()}))
+    with pytest.raises(TypeError):
+        build_load_assignment(state)
+
+
+# --- the snapshot --------------------------------------------------------------------------------
+
+def test_build_resources_keys() -> None:
+    state = fleet()
+    s = state.settings
+    resources = build_resources(state)
+    assert {t: sorted(named) for t, named in resources.items()} == {
+        type_urls.CLUSTER: sorted([s.workers_cluster, s.ext_proc_cluster]),
+        type_urls.ENDPOINT: [s.workers_cluster],
+        type_urls.LISTENER: [s.listener_name],
+        type_urls.ROUTE: [s.route_name],
+    }
+    for type_url, named in resources.items():
+        for message in named.values():
+            assert type_url == f"type.googleapis.com/{message.DESCRIPTOR.full_name}"
+
+
+def test_deterministic_bytes() -> None:
+    state = fleet()
+    first = _serialized(build_resources(state))
+    # the same state built again, endpoints in another order, params in another order
+    shuffled = replace(state, endpoints=tuple(reversed(state.endpoints)),
+                       pick_policy=PickPolicySpec(name="least_completion_time",
+                                                  params={"use_queue": True, "alpha": 0.25}))
+    assert _serialized(build_resources(state)) == first
+    assert _serialized(build_resources(shuffled)) == first
+
+
+def test_a_weight_change_only_changes_the_load_assignment() -> None:
+    state = fleet()
+    endpoints = list(state.endpoints)
+    endpoints[1] = replace(endpoints[1], computed_weight=321)
+    before = _serialized(build_resources(state))
+    after = _serialized(build_resources(replace(state, endpoints=tuple(endpoints))))
+    changed = {key for key in before if before[key] != after[key]}
+    assert changed == {(type_urls.ENDPOINT, state.settings.workers_cluster)}
