@@ -74,6 +74,7 @@ class SnapshotCache:
     def __init__(self, node_group: NodeGroup = default_node_group) -> None:
         self._node_group = node_group
         self._snapshots: dict[str, Snapshot] = {}
+        self._default: Snapshot | None = None
         self._watches: dict[str, set[Watch]] = {}
         self._pushes: Counter[str] = Counter()
         self._acks: Counter[str] = Counter()
@@ -100,8 +101,22 @@ class SnapshotCache:
         for watch in watches:
             watch.notify()
 
+    def set_default_snapshot(self, snapshot: Snapshot) -> None:
+        """The snapshot of every group that has none of its own (one fleet, many node groups).
+
+        A node group that connects later gets it at once, without waiting for
+        the controller to learn the group's name.
+        """
+        previous, self._default = self._default, snapshot
+        if previous is not None and not snapshot.changed_types(previous):
+            return
+        for group, watches in self._watches.items():
+            if group not in self._snapshots:
+                for watch in watches:
+                    watch.notify()
+
     def get(self, group: str) -> Snapshot | None:
-        return self._snapshots.get(group)
+        return self._snapshots.get(group, self._default)
 
     def groups(self) -> list[str]:
         return sorted(self._snapshots)

@@ -1,0 +1,105 @@
+"""The control plane's own Prometheus metrics.
+
+Counters come from the xDS server and the scraper through their observer
+protocols. Per-endpoint figures (weights, health) are read from the current
+state at scrape time by a collector, so a removed endpoint's series vanish
+with it instead of lingering at their last value.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .model import FleetState, Health
+from .type_urls import SHORT_NAMES
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def _type(type_url: str) -> str:
+    return SHORT_NAMES.get(type_url, type_url.rsplit(".", 1)[-1])
+
+
+class _EndpointCollector(Collector):
+    def __init__(self, state: Callable[[], FleetState]) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        weight = GaugeMetricFamily("inferlb_cp_endpoint_weight", "Endpoint weight.", labels=["endpoint", "kind"])
+        healthy = GaugeMetricFamily(
+            "inferlb_cp_endpoint_healthy", "1 healthy, 0 unhealthy, -1 not scraped yet.", labels=["endpoint"]
+        )
+        draining = GaugeMetricFamily("inferlb_cp_endpoint_draining", "1 while draining.", labels=["endpoint"])
+        for e in self._state().endpoints:
+            weight.add_metric([e.id, "effective"], e.effective_weight)
+            weight.add_metric([e.id, "computed"], e.computed_weight)
+            if e.pinned_weight is not None:
+                weight.add_metric([e.id, "pinned"], e.pinned_weight)
+            healthy.add_metric([e.id], {Health.HEALTHY: 1, Health.UNHEALTHY: 0}.get(e.health, -1))
+            draining.add_metric([e.id], int(e.draining))
+        yield from (weight, healthy, draining)
+
+
+class ControlPlaneMetrics:
+    """Implements ``XdsMetrics`` (xDS server) and ``ScrapeObserver`` (scraper)."""
+
+    def __init__(self, state: Callable[[], FleetState]) -> None:
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)
+        r.register(_EndpointCollector(state))
+        self.pushes = Counter("inferlb_cp_xds_pushes", "xDS responses sent.", ["type"], registry=r)
+        self.push_latency = Histogram(
+            "inferlb_cp_xds_push_latency_seconds",
+            "From the change (or request) that made a response due until it was sent.",
+            ["type"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.acks = Counter("inferlb_cp_xds_acks", "xDS ACKs received.", ["type"], registry=r)
+        self.nacks = Counter("inferlb_cp_xds_nacks", "xDS NACKs received.", ["type"], registry=r)
+        self.clients = Gauge("inferlb_cp_xds_clients", "Connected xDS streams.", ["mode"], registry=r)
+        self.scrapes = Counter("inferlb_cp_scrapes", "Worker scrapes.", ["endpoint", "result"], registry=r)
+        self.scrape_duration = Histogram(
+            "inferlb_cp_scrape_duration_seconds", "Duration of one worker scrape.", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.snapshot_build = Histogram(
+            "inferlb_cp_snapshot_build_seconds", "Building and serialising one snapshot.", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.snapshots = Counter("inferlb_cp_snapshots", "Snapshots published, by the types they changed.",
+                                 ["type"], registry=r)
+
+    # XdsMetrics
+    def on_connect(self, mode: str) -> None:
+        self.clients.labels(mode=mode).inc()
+
+    def on_disconnect(self, mode: str) -> None:
+        self.clients.labels(mode=mode).dec()
+
+    def on_push(self, type_url: str, seconds: float) -> None:
+        self.pushes.labels(type=_type(type_url)).inc()
+        self.push_latency.labels(type=_type(type_url)).observe(seconds)
+
+    def on_ack(self, type_url: str) -> None:
+        self.acks.labels(type=_type(type_url)).inc()
+
+    def on_nack(self, type_url: str) -> None:
+        self.nacks.labels(type=_type(type_url)).inc()
+
+    # ScrapeObserver
+    def scrape_done(self, endpoint_id: str, ok: bool, duration_s: float) -> None:
+        self.scrapes.labels(endpoint=endpoint_id, result="ok" if ok else "error").inc()
+        self.scrape_duration.observe(duration_s)
+
+    def snapshot_published(self, changed_types: frozenset[str], seconds: float) -> None:
+        self.snapshot_build.observe(seconds)
+        for type_url in changed_types:
+            self.snapshots.labels(type=_type(type_url)).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
