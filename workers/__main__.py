@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import WorkerConfig, load_config
+from .simulated import DEFAULT_FIXED_S, DEFAULT_PER_TOKEN_S, Simulation, SimulatedEngine, parse_speed_schedule
 
 log = logging.getLogger("inferlb.worker")
 
@@ -44,6 +45,20 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get after SIGTERM (default 30)")
     p.add_argument("--access-log", action="store_true", default=None, help="log every request")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    sim = p.add_argument_group(
+        "simulation",
+        "--simulate replaces the model with a timed wait of (fixed + per_token * padded tokens) / speed on the "
+        "inference thread and returns dummy unit vectors; everything else (API, batching, metrics, ORCA) is real. "
+        "For emulating a heterogeneous fleet on one machine. GET/PUT /v1/simulation reads/sets the speed.",
+    )
+    sim.add_argument("--simulate", action="store_true", help="serve simulated inference (dummy vectors)")
+    sim.add_argument("--speed", type=float, default=1.0, help="relative speed of the simulated machine (default 1)")
+    sim.add_argument("--speed-schedule", default="", metavar="T:SPEED,...",
+                     help="change the speed T seconds after start, e.g. 30:0.25 for a 4x slowdown at 30 s")
+    sim.add_argument("--sim-fixed-ms", type=float, default=DEFAULT_FIXED_S * 1000,
+                     help=f"simulated fixed cost per batch (default {DEFAULT_FIXED_S * 1000:g} ms)")
+    sim.add_argument("--sim-per-token-us", type=float, default=DEFAULT_PER_TOKEN_S * 1e6,
+                     help=f"simulated cost per padded token (default {DEFAULT_PER_TOKEN_S * 1e6:g} us)")
     return p
 
 
@@ -83,14 +98,31 @@ def build_service(config: WorkerConfig):  # type: ignore[no-untyped-def]
     return EmbeddingService(config, model, load_tokenizer(artifacts.tokenizer, artifacts.max_tokens), engine_factory)
 
 
+def build_simulated_service(config: WorkerConfig, simulation: Simulation):  # type: ignore[no-untyped-def]
+    """The real service around a simulated engine; needs only the packaged tokenizer, not the ONNX build."""
+    from .model_files import find_packaged_model
+    from .service import EmbeddingService, ModelInfo
+    from .tokenization import load_tokenizer
+
+    model = ModelInfo("all-MiniLM-L6-v2", 256, 384, MODEL_ALIASES)
+    tokenizer = load_tokenizer(find_packaged_model().tokenizer, model.max_tokens)
+    return EmbeddingService(config, model, tokenizer, lambda: SimulatedEngine(simulation, model.dimensions),
+                            cpu_seconds=simulation.busy_seconds)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "prepare":
         return prepare(argv[1:])
     args = _serve_parser().parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    sim_flags = ("simulate", "speed", "speed_schedule", "sim_fixed_ms", "sim_per_token_us")
+    overrides = {k: v for k, v in vars(args).items() if k != "config" and k not in sim_flags}
     try:
         config = load_config(args.config, overrides)
+        simulation = Simulation(
+            speed=args.speed, fixed_s=args.sim_fixed_ms / 1000, per_token_s=args.sim_per_token_us / 1e6,
+            schedule=parse_speed_schedule(args.speed_schedule),
+        ) if args.simulate else None
     except (ValueError, OSError) as exc:
         print(f"python -m workers: {exc}", file=sys.stderr)
         return 2
@@ -98,8 +130,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging(config.log_level, component=f"worker:{config.port}")
     log.info("starting", extra={"host": config.host, "port": config.port, "precision": config.precision,
-                                "threads": config.intra_op_threads})
-    serve(config, build_service(config))
+                                "threads": config.intra_op_threads, "simulate": args.simulate})
+    if simulation is not None:
+        from .app import simulation_routes
+
+        serve(config, build_simulated_service(config, simulation), simulation_routes(simulation))
+    else:
+        serve(config, build_service(config))
     return 0
 
 

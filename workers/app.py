@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from .protocol import APIError, error_body, models_response
 from .service import EmbeddingService
+from .simulated import Simulation
 
 JSON = "application/json"
 
@@ -38,7 +39,27 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def create_app(service: EmbeddingService, *, manage_lifecycle: bool = True) -> Starlette:
+def simulation_routes(simulation: Simulation) -> list[Route]:
+    """``GET``/``PUT /v1/simulation``: read or change a simulated worker's speed at run time."""
+
+    async def simulation_state(request: Request) -> Response:
+        if request.method == "PUT":
+            try:
+                doc = orjson.loads(await request.body())
+                simulation.set_speed(float(doc["speed"]))
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                message = f"expected {{\"speed\": number > 0}}: {exc}"
+                return Response(error_body(message, type="invalid_request_error", code="invalid_value"), 400,
+                                media_type=JSON)
+        body = {"speed": simulation.speed, "fixed_s": simulation.fixed_s, "per_token_s": simulation.per_token_s}
+        return Response(orjson.dumps(body), media_type=JSON)
+
+    return [Route("/v1/simulation", simulation_state, methods=["GET", "PUT"])]
+
+
+def create_app(
+    service: EmbeddingService, *, manage_lifecycle: bool = True, extra_routes: list[Route] | None = None
+) -> Starlette:
     """Build the app; with ``manage_lifecycle`` the lifespan starts and stops the service."""
 
     async def embeddings(request: Request) -> Response:
@@ -93,6 +114,7 @@ def create_app(service: EmbeddingService, *, manage_lifecycle: bool = True) -> S
             Route("/healthz", healthz, methods=["GET"]),
             Route("/readyz", readyz, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *(extra_routes or []),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan if manage_lifecycle else None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import psutil
 from prometheus_client import (
@@ -26,6 +27,14 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+def process_cpu_seconds(process: psutil.Process) -> Callable[[], float]:
+    def read() -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+    return read
+
+
 @dataclass
 class LoadSampler:
     """CPU utilisation and request rate over the last sampling interval.
@@ -35,7 +44,8 @@ class LoadSampler:
     """
 
     cpus: float
-    _process: psutil.Process = field(default_factory=psutil.Process)
+    # Cumulative busy CPU seconds; the process's own by default.
+    cpu_seconds: Callable[[], float] = field(default_factory=lambda: process_cpu_seconds(psutil.Process()))
     _last_cpu: float = 0.0
     _last_time: float = 0.0
     _last_requests: float = 0.0
@@ -44,13 +54,11 @@ class LoadSampler:
 
     def __post_init__(self) -> None:
         self._last_time = time.monotonic()
-        times = self._process.cpu_times()
-        self._last_cpu = times.user + times.system
+        self._last_cpu = self.cpu_seconds()
 
     def sample(self, requests_total: float) -> None:
         now = time.monotonic()
-        times = self._process.cpu_times()
-        cpu = times.user + times.system
+        cpu = self.cpu_seconds()
         elapsed = now - self._last_time
         if elapsed <= 0:
             return
@@ -62,7 +70,7 @@ class LoadSampler:
 class WorkerMetrics:
     """All metrics of one worker, in a registry of its own (no global state)."""
 
-    def __init__(self, *, cpus: float, model: str) -> None:
+    def __init__(self, *, cpus: float, model: str, cpu_seconds: Callable[[], float] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)
@@ -117,7 +125,7 @@ class WorkerMetrics:
         )
         info = Gauge("inferlb_worker_info", "Static worker facts.", ["model", "cpus"], registry=r)
         info.labels(model=model, cpus=str(cpus)).set(1)
-        self.load = LoadSampler(cpus=cpus)
+        self.load = LoadSampler(cpus=cpus) if cpu_seconds is None else LoadSampler(cpus=cpus, cpu_seconds=cpu_seconds)
         self._completed = 0
 
     def request_done(self, code: int, seconds: float) -> None:

@@ -18,6 +18,7 @@ from typing import Iterator
 
 import uvicorn
 from pythonjsonlogger.json import JsonFormatter
+from starlette.routing import Route
 
 from .app import create_app
 from .config import WorkerConfig
@@ -75,9 +76,9 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(config: WorkerConfig, service: EmbeddingService) -> None:
+def serve(config: WorkerConfig, service: EmbeddingService, extra_routes: list[Route] | None = None) -> None:
     uv_config = uvicorn.Config(
-        create_app(service),
+        create_app(service, extra_routes=extra_routes),
         host=config.host,
         port=config.port,
         loop="uvloop",

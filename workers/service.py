@@ -65,12 +65,13 @@ class EmbeddingService:
         model: ModelInfo,
         tokenizer: tokenizers.Tokenizer,
         engine_factory: Callable[[], EmbeddingEngine],
+        cpu_seconds: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
-        self.metrics = WorkerMetrics(cpus=config.cpus, model=model.name)
+        self.metrics = WorkerMetrics(cpus=config.cpus, model=model.name, cpu_seconds=cpu_seconds)
         self._engine_factory = engine_factory
         self._engine: EmbeddingEngine | None = None
         # One inference thread: the engine's own intra-op threads do the parallel work.
