@@ -1,10 +1,23 @@
 """The control loop: state in, snapshots out.
 
 Scrape results and operator actions change the ``FleetState``; every change
-marks the debouncer; a flush builds the resources and the snapshot in a
+marks the debouncer; a flush builds the resources and the snapshots in a
 thread (serialising 10,000 endpoints must not stall the xDS streams) and sets
-it in the cache on the loop. The controller owns the state; everything it
+them in the cache on the loop. The controller owns the state; everything it
 calls is a pure function of it.
+
+Two snapshots per state: the Envoys' (the cache's default, lean EDS: address,
+health, weight) and ext_proc's (node group
+``DataPlaneSettings.ext_proc_node_cluster``: the same CDS/LDS/RDS, EDS with
+the telemetry and pick-policy metadata). A telemetry-only change leaves the
+Envoys' one unchanged: nothing is pushed to Envoys.
+
+Envoys first: when the Envoys' EDS changed, ext_proc's snapshot is built only
+once every Envoy has acknowledged it (or after ``ENVOYS_FIRST_MAX_WAIT_S``).
+Make before break: ext_proc never picks an endpoint its Envoy does not know
+yet (override_host would fall back). And building the rich EDS is pure Python
+that holds the GIL: run while Envoys are being pushed to, it slowed their
+convergence about twofold (10,000 endpoints).
 """
 
 from __future__ import annotations
@@ -20,17 +33,32 @@ from .debounce import Debouncer
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState
 from .policy import WeightPolicy, fleet_view, make_weight_policy
-from .resources import build_resources
+from .resources import EndpointMemo, build_static_resources, encode_load_assignment
 from .scraper import ScrapeResult, apply_scrape_results
-from .type_urls import PUSH_ORDER
+from .type_urls import ENDPOINT
 from .xds import Snapshot, SnapshotCache, make_epoch
+from .xds.snapshot import Encoded
 
 log = logging.getLogger("inferlb.control_plane")
 
+# How long ext_proc's snapshot waits for the Envoys to acknowledge a new EDS (see above).
+ENVOYS_FIRST_MAX_WAIT_S = 0.5
 
-def build_snapshot(state: FleetState, epoch: str) -> Snapshot:
-    """Resources and their serialised bytes for ``state`` (CPU work: run it in a thread)."""
-    return Snapshot.from_resources(build_resources(state), epoch)
+
+def _eds(state: FleetState, ext_proc: bool, memo: EndpointMemo | None) -> dict[str, Encoded]:
+    name = state.settings.workers_cluster
+    return {name: Encoded(ENDPOINT, name, encode_load_assignment(state, ext_proc=ext_proc, memo=memo))}
+
+
+def build_snapshot(state: FleetState, epoch: str, memo: EndpointMemo | None = None) -> Snapshot:
+    """The Envoys' snapshot of ``state`` (CPU work: run it in a thread). ``memo``: see ``EndpointMemo``."""
+    resources = {**build_static_resources(state.settings), ENDPOINT: _eds(state, False, memo)}
+    return Snapshot.from_resources(resources, epoch)
+
+
+def build_ext_proc_snapshot(state: FleetState, envoy_snapshot: Snapshot, memo: EndpointMemo | None = None) -> Snapshot:
+    """ext_proc's snapshot: ``envoy_snapshot`` (built from the same ``state``) with the rich EDS."""
+    return envoy_snapshot.replace_type(ENDPOINT, _eds(state, True, memo))
 
 
 def initial_state(config: ControlPlaneConfig) -> FleetState:
@@ -55,7 +83,9 @@ class Controller:
         self.state = state if state is not None else initial_state(config)
         self.policy: WeightPolicy = make_weight_policy(config.weight_policy, config.weight_params)
         self.epoch = make_epoch()
-        self.snapshot: Snapshot | None = None
+        self.snapshot: Snapshot | None = None  # the Envoys' (the cache's default)
+        self.ext_proc_snapshot: Snapshot | None = None
+        self._memos = (EndpointMemo(), EndpointMemo())  # Envoys', ext_proc's: used under _publish_lock only
         self.published = asyncio.Event()
         self._debouncer = Debouncer(self.publish, delay=config.debounce_s, max_delay=config.debounce_max_s)
         self._publish_lock = asyncio.Lock()
@@ -103,16 +133,25 @@ class Controller:
 
     # -- publishing ---------------------------------------------------------
     async def publish(self) -> None:
+        """Build and set the Envoys' snapshot, then ext_proc's (metrics: the union of their changes)."""
         async with self._publish_lock:
             state = self.state
             started = time.perf_counter()
-            snapshot = await asyncio.to_thread(build_snapshot, state, self.epoch)
-            changed = snapshot.changed_types(self.snapshot) if self.snapshot is not None else frozenset(PUSH_ORDER)
+            snapshot = await asyncio.to_thread(build_snapshot, state, self.epoch, self._memos[0])
+            changed = snapshot.changed_types(self.snapshot)
             self.cache.set_default_snapshot(snapshot)
             self.snapshot = snapshot
+            if ENDPOINT in changed:
+                await self.cache.wait_default_settled(ENDPOINT, ENVOYS_FIRST_MAX_WAIT_S)
+            ext_proc = await asyncio.to_thread(build_ext_proc_snapshot, state, snapshot, self._memos[1])
+            ext_proc_changed = ext_proc.changed_types(self.ext_proc_snapshot)
+            self.cache.set_snapshot(state.settings.ext_proc_node_cluster, ext_proc)
+            self.ext_proc_snapshot = ext_proc
             self.published.set()
             seconds = time.perf_counter() - started
             if self.metrics is not None:
-                self.metrics.snapshot_published(changed, seconds)
-            if changed:
-                log.debug("snapshot published", extra={"changed": sorted(changed), "build_s": round(seconds, 4)})
+                self.metrics.snapshot_published(changed | ext_proc_changed, seconds)
+            if changed or ext_proc_changed:
+                log.debug("snapshot published", extra={"changed": sorted(changed),
+                                                       "ext_proc_changed": sorted(ext_proc_changed),
+                                                       "build_s": round(seconds, 4)})

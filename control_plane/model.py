@@ -119,6 +119,9 @@ class DataPlaneSettings:
     # the Endpoint Picker Protocol header / metadata key
     pick_header: str = "x-gateway-destination-endpoint"
     pick_metadata_namespace: str = "envoy.lb"
+    # xDS node cluster (= node group) of ext_proc: its snapshot carries the rich EDS
+    # (telemetry and pick-policy metadata); every other group gets the lean one.
+    ext_proc_node_cluster: str = "inferlb-ext-proc"
 
 
 @dataclass(frozen=True)

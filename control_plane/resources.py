@@ -6,26 +6,36 @@ change that only touches weights or telemetry must only change the
 ClusterLoadAssignment (Envoy then re-sends nothing else and keeps its
 connections and listeners as they are).
 
-What ext_proc reads from EDS (it subscribes to EDS only):
+Two variants of the ClusterLoadAssignment, for two node groups:
 
-* ``LbEndpoint.metadata.filter_metadata["inferlb"]``: ``id``, ``weight``
-  (effective), ``computed_weight``, ``pinned_weight`` (or null), ``draining``,
-  ``health`` (the ``Health`` value string) and, when the endpoint has been
-  scraped, every ``Telemetry`` field except ``observed_at`` under its own name
-  (flat, next to the keys above).
-* ``LocalityLbEndpoints.metadata.filter_metadata["inferlb"]["pick_policy"]``:
-  ``{"name": ..., "params": {...}}``.
+* Envoys (the default snapshot) get the lean one: address, ``health_status``
+  and ``load_balancing_weight`` per endpoint, no metadata. Envoy reads
+  nothing else, so telemetry changes never re-push EDS to Envoys.
+* ext_proc (node cluster ``DataPlaneSettings.ext_proc_node_cluster``) gets
+  the rich one; what it reads from EDS (it subscribes to EDS only):
+
+  * ``LbEndpoint.metadata.filter_metadata["inferlb"]``: ``id``, ``weight``
+    (effective), ``computed_weight``, ``pinned_weight`` (or null),
+    ``draining``, ``health`` (the ``Health`` value string) and, when the
+    endpoint has been scraped, every ``Telemetry`` field except
+    ``observed_at`` under its own name (flat, next to the keys above),
+    rounded to ``TELEMETRY_SIGNIFICANT_DIGITS`` significant digits.
+  * ``LocalityLbEndpoints.metadata.filter_metadata["inferlb"]["pick_policy"]``:
+    ``{"name": ..., "params": {...}}``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import ipaddress
+import operator
+import struct
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
+from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
@@ -53,7 +63,7 @@ from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import percent_pb2
 
 from . import type_urls
-from .model import DataPlaneSettings, Endpoint, FleetState, Health, Telemetry
+from .model import MAX_WEIGHT, DataPlaneSettings, Endpoint, FleetState, Health, Telemetry
 
 METADATA_NAMESPACE = "inferlb"
 HTTP_PROTOCOL_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -76,6 +86,9 @@ H2_KEEPALIVE_INTERVAL_S = 15.0
 H2_KEEPALIVE_TIMEOUT_S = 5.0
 # Figures that are metadata for ext_proc, not telemetry: never sent.
 _TELEMETRY_SKIP = frozenset({"observed_at"})
+# Telemetry in ext_proc's EDS metadata is rounded to this many significant digits,
+# so that scrape noise does not make a new EDS version on every scrape.
+TELEMETRY_SIGNIFICANT_DIGITS = 3
 
 _EDS_HEALTH: Mapping[Health, int] = MappingProxyType({
     Health.HEALTHY: health_check_pb2.HEALTHY,
@@ -118,32 +131,6 @@ def _is_ip(address: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _value(obj: object) -> struct_pb2.Value:
-    """JSON-like Python value -> protobuf Value; anything else is a bug in the caller."""
-    if obj is None:
-        return struct_pb2.Value(null_value=struct_pb2.NULL_VALUE)
-    if isinstance(obj, bool):
-        return struct_pb2.Value(bool_value=obj)
-    if isinstance(obj, (int, float)):
-        return struct_pb2.Value(number_value=float(obj))
-    if isinstance(obj, str):
-        return struct_pb2.Value(string_value=obj)
-    if isinstance(obj, enum.Enum):
-        return _value(obj.value)
-    if isinstance(obj, Mapping):
-        return struct_pb2.Value(struct_value=_struct(obj))
-    if isinstance(obj, Sequence):
-        return struct_pb2.Value(list_value=struct_pb2.ListValue(values=[_value(item) for item in obj]))
-    raise TypeError(f"cannot put {type(obj).__name__} into EDS metadata: {obj!r}")
-
-
-def _struct(mapping: Mapping[str, object]) -> struct_pb2.Struct:
-    struct = struct_pb2.Struct()
-    for key, item in mapping.items():
-        struct.fields[str(key)].CopyFrom(_value(item))
-    return struct
 
 
 def _policy(name: str, config: Message) -> cluster_pb2.LoadBalancingPolicy:
@@ -361,26 +348,244 @@ def build_ext_proc_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
 
 
 # --- endpoints -----------------------------------------------------------------------------------
+#
+# The ClusterLoadAssignment is assembled from pre-encoded pieces, not built as
+# messages: with 10,000 endpoints, building an LbEndpoint and its metadata
+# Struct in Python per endpoint per publish took most of a second. Every piece
+# is the canonical (deterministic) protobuf encoding of its part, produced by
+# protobuf itself where the input space is small (addresses, health, weights:
+# cached), or by a small encoder for Struct metadata; tests parse the result
+# and check that re-serialising it gives the very same bytes. (One exception:
+# Struct keys are sorted in code-point order, as C++ protobuf does, while upb
+# puts "ab" before "a"; only pick-policy params could have such keys, and the
+# bytes are deterministic either way.) The caches are bounded
+# ``functools.lru_cache``s on pure functions: the same input always gives the
+# same bytes, a miss only costs time.
 
-def _telemetry_fields(telemetry: Telemetry) -> dict[str, float]:
-    return {
-        f.name: getattr(telemetry, f.name)
-        for f in dataclasses.fields(telemetry) if f.name not in _TELEMETRY_SKIP
-    }
+# Enough for two or three generations of a 10,000-endpoint fleet.
+_ENDPOINT_CACHE_SIZE = 1 << 15
+
+
+def _varint(value: int) -> bytes:
+    if value < 0x80:
+        return bytes((value,))
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _len_field(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field: ``tag`` (one byte: field number < 16, wire type 2), length, payload."""
+    return b"".join((tag, _varint(len(payload)), payload))
+
+
+# Struct / Value / ListValue (google/protobuf/struct.proto), canonical encoding.
+_FIXED64 = struct.Struct("<d").pack
+_STRUCT_FIELDS = b"\x0a"  # Struct.fields = 1 (map entries: key = 1, value = 2)
+_VALUE_NULL = b"\x08\x00"  # Value.null_value = 1 (NULL_VALUE = 0)
+_VALUE_NUMBER = b"\x11"  # Value.number_value = 2 (double)
+_VALUE_STRING = b"\x1a"  # Value.string_value = 3
+_VALUE_TRUE, _VALUE_FALSE = b"\x20\x01", b"\x20\x00"  # Value.bool_value = 4
+_VALUE_STRUCT = b"\x2a"  # Value.struct_value = 5
+_VALUE_LIST = b"\x32"  # Value.list_value = 6
+_LIST_VALUES = b"\x0a"  # ListValue.values = 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _map_key(key: str) -> bytes:
+    return _len_field(b"\x0a", key.encode())
+
+
+@functools.lru_cache(maxsize=1024)
+def _number_entry_prefix(key: str) -> bytes:
+    """A Struct map entry holding a number is this prefix plus the 8 bytes of the double."""
+    key_field = _map_key(key)
+    return b"\x0a" + _varint(len(key_field) + 11) + key_field + b"\x12\x09" + _VALUE_NUMBER
+
+
+def _value_entry(key: str, value: bytes) -> bytes:
+    return _len_field(_STRUCT_FIELDS, _map_key(key) + _len_field(b"\x12", value))
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _constant_entry(key: str, item: bool | None) -> bytes:
+    return _value_entry(key, _encode_value(item))
+
+
+@functools.lru_cache(maxsize=_ENDPOINT_CACHE_SIZE)
+def _string_entry(key: str, item: str) -> bytes:
+    return _value_entry(key, _len_field(_VALUE_STRING, item.encode()))
+
+
+def _struct_entry(key: str, item: object) -> bytes:
+    """One ``Struct.fields`` map entry."""
+    cls = item.__class__
+    if cls is float or cls is int:  # the common case (never a bool)
+        return _number_entry_prefix(key) + _FIXED64(item)
+    if cls is str:  # ids, health: few distinct values
+        return _string_entry(key, item)  # type: ignore[arg-type]
+    if item is None or item is True or item is False:
+        return _constant_entry(key, item)
+    return _len_field(_STRUCT_FIELDS, _map_key(key) + _len_field(b"\x12", _encode_value(item)))
+
+
+def _encode_value(obj: object) -> bytes:
+    """JSON-like Python value -> the bytes of a ``google.protobuf.Value``; anything else is a caller bug."""
+    if obj is None:
+        return _VALUE_NULL
+    if isinstance(obj, bool):
+        return _VALUE_TRUE if obj else _VALUE_FALSE
+    if isinstance(obj, (int, float)):
+        return _VALUE_NUMBER + _FIXED64(float(obj))
+    if isinstance(obj, str):
+        return _len_field(_VALUE_STRING, obj.encode())
+    if isinstance(obj, enum.Enum):
+        return _encode_value(obj.value)
+    if isinstance(obj, Mapping):
+        return _len_field(_VALUE_STRUCT, _encode_struct(obj))
+    if isinstance(obj, Sequence):
+        return _len_field(_VALUE_LIST, b"".join(_len_field(_LIST_VALUES, _encode_value(item)) for item in obj))
+    raise TypeError(f"cannot put {type(obj).__name__} into EDS metadata: {obj!r}")
+
+
+def _encode_struct(mapping: Mapping[object, object]) -> bytes:
+    """The bytes of a ``google.protobuf.Struct``, map entries sorted by key (code points)."""
+    fields = {str(key): item for key, item in mapping.items()}
+    return b"".join([_struct_entry(key, fields[key]) for key in sorted(fields)])
+
+
+def _encode_metadata(struct_bytes: bytes) -> bytes:
+    """The bytes of a ``core.v3.Metadata`` with a Struct under ``filter_metadata["inferlb"]``."""
+    return _len_field(b"\x0a", _map_key(METADATA_NAMESPACE) + _len_field(b"\x12", struct_bytes))
+
+
+def _serialized(message: Message) -> bytes:
+    return message.SerializeToString(deterministic=True)
+
+
+# LbEndpoint: endpoint = 1, health_status = 2, metadata = 3, load_balancing_weight = 4;
+# canonical encoding is in field-number order, so its bytes are the concatenation of
+# each field encoded on its own.
+
+@functools.lru_cache(maxsize=_ENDPOINT_CACHE_SIZE)
+def _lb_address(address: str, port: int) -> bytes:
+    return _serialized(endpoint_components_pb2.LbEndpoint(
+        endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(address, port))))
+
+
+@functools.lru_cache(maxsize=16)
+def _lb_health(status: int) -> bytes:
+    return _serialized(endpoint_components_pb2.LbEndpoint(health_status=status))  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=2 * MAX_WEIGHT)
+def _lb_weight(weight: int) -> bytes:
+    return _serialized(endpoint_components_pb2.LbEndpoint(load_balancing_weight=_u32(weight)))
+
+
+_LB_METADATA = b"\x1a"  # LbEndpoint.metadata = 3
+_LB_ENDPOINTS = b"\x12"  # LocalityLbEndpoints.lb_endpoints = 2
+_LOCALITY_METADATA = b"\x4a"  # LocalityLbEndpoints.metadata = 9
+_CLA_ENDPOINTS = b"\x12"  # ClusterLoadAssignment.endpoints = 2
+
+
+@functools.lru_cache(maxsize=_ENDPOINT_CACHE_SIZE)
+def _lean_entry(address: str, port: int, health: int, weight: int) -> bytes:
+    """One ``lb_endpoints`` entry of the lean (Envoy) variant: address, health, weight."""
+    return _len_field(_LB_ENDPOINTS, _lb_address(address, port) + _lb_health(health) + _lb_weight(weight))
+
+
+_TELEMETRY_NAMES: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(Telemetry) if f.name not in _TELEMETRY_SKIP)
+_TELEMETRY_VALUES = operator.attrgetter(*_TELEMETRY_NAMES)
+_QUANTISE_FORMAT = " ".join([f"%.{TELEMETRY_SIGNIFICANT_DIGITS}g"] * len(_TELEMETRY_NAMES))
+# The rich metadata Struct is encoded in two independently cached parts, so that a
+# weight change does not re-encode telemetry and a scrape does not re-encode the
+# rest: the entries of the base keys, and the entries of the telemetry keys in
+# runs. Interleaved by _PLAN, they are the Struct's entries sorted by key (the
+# canonical order), and every key here is a prefix of no other.
+_BASE_KEYS = ("id", "weight", "computed_weight", "pinned_weight", "draining", "health")
+_BASE_ORDER = tuple(sorted(range(len(_BASE_KEYS)), key=_BASE_KEYS.__getitem__))
+
+
+def _interleave_plan() -> tuple[tuple[tuple[bool, int], ...], tuple[tuple[int, ...], ...]]:
+    plan: list[tuple[bool, int]] = []  # (is a base entry, its position among base entries | run index)
+    runs: list[list[int]] = []  # telemetry runs: indices into _TELEMETRY_NAMES
+    for key in sorted(_BASE_KEYS + _TELEMETRY_NAMES):
+        if key in _BASE_KEYS:
+            plan.append((True, _BASE_ORDER.index(_BASE_KEYS.index(key))))
+        elif plan and not plan[-1][0]:
+            runs[-1].append(_TELEMETRY_NAMES.index(key))
+        else:
+            plan.append((False, len(runs)))
+            runs.append([_TELEMETRY_NAMES.index(key)])
+    return tuple(plan), tuple(tuple(run) for run in runs)
+
+
+_PLAN, _TELEMETRY_RUNS = _interleave_plan()
+_TELEMETRY_RUN_PREFIXES = tuple(tuple(_number_entry_prefix(_TELEMETRY_NAMES[i]) for i in run)
+                                for run in _TELEMETRY_RUNS)
+
+
+def quantise(value: float, digits: int = TELEMETRY_SIGNIFICANT_DIGITS) -> float:
+    """``value`` rounded to ``digits`` significant digits (so that noise makes no new EDS version)."""
+    return float(f"%.{digits}g" % value)
+
+
+def _quantised_text(telemetry: Telemetry | None) -> str | None:
+    return None if telemetry is None else _QUANTISE_FORMAT % _TELEMETRY_VALUES(telemetry)
+
+
+def _base_values(endpoint: Endpoint) -> tuple[object, ...]:
+    return (endpoint.id, endpoint.effective_weight, endpoint.computed_weight, endpoint.pinned_weight,
+            endpoint.draining, endpoint.health.value)
+
+
+@functools.lru_cache(maxsize=_ENDPOINT_CACHE_SIZE)
+def _base_entries(values: tuple[object, ...]) -> tuple[bytes, ...]:
+    """The base keys' Struct entries, sorted by key."""
+    return tuple(_struct_entry(_BASE_KEYS[i], values[i]) for i in _BASE_ORDER)
+
+
+@functools.lru_cache(maxsize=_ENDPOINT_CACHE_SIZE)
+def _telemetry_runs(text: str) -> tuple[bytes, ...]:
+    """The telemetry keys' Struct entries (``text``: the quantised figures), run by run."""
+    values = [float(v) for v in text.split()]
+    return tuple(b"".join(map(operator.add, prefixes, [_FIXED64(values[i]) for i in run]))
+                 for run, prefixes in zip(_TELEMETRY_RUNS, _TELEMETRY_RUN_PREFIXES))
+
+
+@functools.lru_cache(maxsize=_ENDPOINT_CACHE_SIZE)
+def _rich_metadata(base: tuple[bytes, ...], telemetry: tuple[bytes, ...] | None) -> bytes:
+    """The encoded ``LbEndpoint.metadata`` field of the rich (ext_proc) variant."""
+    if telemetry is None:
+        body = b"".join(base)
+    else:
+        body = b"".join([base[i] if is_base else telemetry[i] for is_base, i in _PLAN])
+    return _len_field(_LB_METADATA, _encode_metadata(body))
+
+
+def _endpoint_rich_metadata(endpoint: Endpoint) -> bytes:
+    text = _quantised_text(endpoint.telemetry)
+    return _rich_metadata(_base_entries(_base_values(endpoint)), None if text is None else _telemetry_runs(text))
+
+
+@functools.lru_cache(maxsize=_ENDPOINT_CACHE_SIZE)
+def _rich_entry(address: str, port: int, health: int, weight: int, metadata: bytes) -> bytes:
+    """One ``lb_endpoints`` entry of the rich (ext_proc) variant."""
+    return _len_field(_LB_ENDPOINTS, b"".join((_lb_address(address, port), _lb_health(health), metadata,
+                                                _lb_weight(weight))))
 
 
 def endpoint_metadata(endpoint: Endpoint) -> dict[str, object]:
-    """What ext_proc knows about one endpoint (see the module docstring)."""
-    meta: dict[str, object] = {
-        "id": endpoint.id,
-        "weight": endpoint.effective_weight,
-        "computed_weight": endpoint.computed_weight,
-        "pinned_weight": endpoint.pinned_weight,
-        "draining": endpoint.draining,
-        "health": endpoint.health.value,
-    }
-    if endpoint.telemetry is not None:
-        meta.update(_telemetry_fields(endpoint.telemetry))
+    """What ext_proc knows about one endpoint (see the module docstring); telemetry is quantised."""
+    meta = dict(zip(_BASE_KEYS, _base_values(endpoint)))
+    text = _quantised_text(endpoint.telemetry)
+    if text is not None:
+        meta.update(zip(_TELEMETRY_NAMES, map(float, text.split())))
     return meta
 
 
@@ -391,31 +596,93 @@ def eds_health(endpoint: Endpoint) -> int:
     return _EDS_HEALTH[endpoint.health]
 
 
-def build_lb_endpoint(endpoint: Endpoint) -> endpoint_components_pb2.LbEndpoint:
-    metadata = base_pb2.Metadata()
-    metadata.filter_metadata[METADATA_NAMESPACE].CopyFrom(_struct(endpoint_metadata(endpoint)))
-    return endpoint_components_pb2.LbEndpoint(
-        endpoint=endpoint_components_pb2.Endpoint(address=_socket_address(endpoint.address, endpoint.port)),
-        health_status=eds_health(endpoint),
-        metadata=metadata,
-        load_balancing_weight=_u32(max(1, endpoint.effective_weight)),
-    )
+def _lb_endpoint_entry(endpoint: Endpoint, rich: bool) -> bytes:
+    health, weight = eds_health(endpoint), endpoint.effective_weight
+    if not rich:
+        return _lean_entry(endpoint.address, endpoint.port, health, weight)
+    return _rich_entry(endpoint.address, endpoint.port, health, weight, _endpoint_rich_metadata(endpoint))
 
 
-def build_load_assignment(state: FleetState) -> endpoint_pb2.ClusterLoadAssignment:
-    """Every endpoint with its weight, health and telemetry; the pick policy rides on the locality."""
-    settings = state.settings
+def _pick_policy_metadata(state: FleetState) -> bytes:
     policy = {"pick_policy": {"name": state.pick_policy.name, "params": dict(state.pick_policy.params)}}
-    locality_metadata = base_pb2.Metadata()
-    locality_metadata.filter_metadata[METADATA_NAMESPACE].CopyFrom(_struct(policy))
-    return endpoint_pb2.ClusterLoadAssignment(
-        cluster_name=settings.workers_cluster,
-        endpoints=[endpoint_components_pb2.LocalityLbEndpoints(
-            metadata=locality_metadata,
-            lb_endpoints=[build_lb_endpoint(e) for e in sorted(state.endpoints, key=lambda e: e.id)],
-        )],
-        policy=endpoint_pb2.ClusterLoadAssignment.Policy(overprovisioning_factor=_u32(OVERPROVISIONING_FACTOR)),
-    )
+    return _len_field(_LOCALITY_METADATA, _encode_metadata(_encode_struct(policy)))
+
+
+@functools.lru_cache(maxsize=16)
+def _cla_head(cluster_name: str) -> bytes:
+    return _serialized(endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster_name))
+
+
+_CLA_POLICY = _serialized(endpoint_pb2.ClusterLoadAssignment(
+    policy=endpoint_pb2.ClusterLoadAssignment.Policy(overprovisioning_factor=_u32(OVERPROVISIONING_FACTOR))))
+
+
+class EndpointMemo:
+    """The last build's per-endpoint encodings, by endpoint *object*: an optional speed-up
+    that the caller owns (the controller keeps one per EDS variant) and passes in.
+
+    ``Endpoint`` values are immutable, so an object seen in the previous build
+    encodes to the same bytes: a state that shares most endpoint objects with the
+    previous one (``dataclasses.replace`` of a few) costs a dict lookup per
+    unchanged endpoint. The memo holds the objects, so their ids are not reused.
+    It never changes the bytes; one memo must serve one variant only, and one
+    build at a time.
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Endpoint, str, bytes]] = {}
+
+
+def _sorted_entries(endpoints: Sequence[Endpoint], rich: bool, memo: EndpointMemo | None) -> list[bytes]:
+    previous = memo._entries if memo is not None else {}
+    current: dict[int, tuple[Endpoint, str, bytes]] = {}
+    items = []
+    for endpoint in endpoints:
+        key = id(endpoint)
+        known = previous.get(key)
+        if known is None or known[0] is not endpoint:
+            known = (endpoint, endpoint.id, _lb_endpoint_entry(endpoint, rich))
+        current[key] = known
+        items.append(known)
+    if memo is not None:
+        memo._entries = current
+    items.sort(key=_BY_ID)  # stable: by id, then as given
+    return [entry for _, _, entry in items]
+
+
+_BY_ID = operator.itemgetter(1)
+
+
+def encode_load_assignment(state: FleetState, *, ext_proc: bool = False, memo: EndpointMemo | None = None) -> bytes:
+    """The deterministic bytes of :func:`build_load_assignment` (fast: no message is built).
+
+    ``ext_proc=False``: the lean variant Envoy gets (address, health, weight);
+    ``ext_proc=True``: the rich variant ext_proc gets (plus the metadata of the module docstring).
+    ``memo``: see :class:`EndpointMemo` (the bytes are the same with or without it).
+    """
+    entries = _sorted_entries(state.endpoints, ext_proc, memo)
+    if ext_proc:
+        entries.append(_pick_policy_metadata(state))
+    locality = b"".join(entries)
+    return b"".join((_cla_head(state.settings.workers_cluster), _CLA_ENDPOINTS, _varint(len(locality)), locality,
+                     _CLA_POLICY))
+
+
+def build_lb_endpoint(endpoint: Endpoint, *, ext_proc: bool = False) -> endpoint_components_pb2.LbEndpoint:
+    """One endpoint as it appears in :func:`build_load_assignment`."""
+    entry = _lb_endpoint_entry(endpoint, ext_proc)  # an lb_endpoints entry of a LocalityLbEndpoints
+    (lb_endpoint,) = endpoint_components_pb2.LocalityLbEndpoints.FromString(entry).lb_endpoints
+    return lb_endpoint
+
+
+def build_load_assignment(state: FleetState, *, ext_proc: bool = False) -> endpoint_pb2.ClusterLoadAssignment:
+    """Every endpoint with its weight and health, in one locality, sorted by id.
+
+    The ext_proc variant adds each endpoint's metadata and the pick policy on the locality.
+    """
+    return endpoint_pb2.ClusterLoadAssignment.FromString(encode_load_assignment(state, ext_proc=ext_proc))
 
 
 def weights_of(cla: endpoint_pb2.ClusterLoadAssignment) -> dict[str, int]:
@@ -430,15 +697,23 @@ def weights_of(cla: endpoint_pb2.ClusterLoadAssignment) -> dict[str, int]:
 
 # --- everything ----------------------------------------------------------------------------------
 
-def build_resources(state: FleetState) -> dict[str, dict[str, Message]]:
-    """Type URL -> resource name -> message: the whole snapshot for one state."""
-    settings = state.settings
+def build_static_resources(settings: DataPlaneSettings) -> dict[str, dict[str, Message]]:
+    """CDS, LDS and RDS: what depends on the settings alone (the same for every node group)."""
     return {
         type_urls.CLUSTER: {
             settings.workers_cluster: build_workers_cluster(settings),
             settings.ext_proc_cluster: build_ext_proc_cluster(settings),
         },
-        type_urls.ENDPOINT: {settings.workers_cluster: build_load_assignment(state)},
         type_urls.LISTENER: {settings.listener_name: build_listener(settings)},
         type_urls.ROUTE: {settings.route_name: build_route_configuration(settings)},
     }
+
+
+def build_resources(state: FleetState, *, ext_proc: bool = False) -> dict[str, dict[str, Message]]:
+    """Type URL -> resource name -> message: the whole snapshot of one node group for one state.
+
+    ``ext_proc=False``: the Envoys' snapshot; ``ext_proc=True``: ext_proc's (the rich EDS).
+    """
+    resources = build_static_resources(state.settings)
+    resources[type_urls.ENDPOINT] = {state.settings.workers_cluster: build_load_assignment(state, ext_proc=ext_proc)}
+    return resources

@@ -7,10 +7,11 @@ output to the real binary.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import replace
 
 import pytest
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
 from control_plane import type_urls
 from control_plane.model import (
@@ -23,6 +24,7 @@ from control_plane.model import (
     PickPolicySpec,
     Telemetry,
 )
+from control_plane import resources
 from control_plane.resources import (
     build_ext_proc_cluster,
     build_listener,
@@ -30,10 +32,14 @@ from control_plane.resources import (
     build_resources,
     build_route_configuration,
     build_workers_cluster,
+    encode_load_assignment,
+    endpoint_metadata,
+    quantise,
     weights_of,
 )
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
@@ -89,8 +95,8 @@ def _override_host(cluster: cluster_pb2.Cluster) -> override_host_pb2.OverrideHo
     return _unpack(policy.typed_extension_config.typed_config, override_host_pb2.OverrideHost)
 
 
-def _by_port(state: FleetState):  # type: ignore[no-untyped-def]
-    cla = build_load_assignment(state)
+def _by_port(state: FleetState, ext_proc: bool = False):  # type: ignore[no-untyped-def]
+    cla = build_load_assignment(state, ext_proc=ext_proc)
     (locality,) = cla.endpoints
     return {e.endpoint.address.socket_address.port_value: e for e in locality.lb_endpoints}
 
@@ -277,8 +283,8 @@ def test_health_status_mapping() -> None:
     assert _by_port(state)[1].health_status == health_check_pb2.DRAINING
 
 
-def test_endpoint_metadata() -> None:
-    by_port = _by_port(fleet())
+def test_endpoint_metadata_for_ext_proc() -> None:
+    by_port = _by_port(fleet(), ext_proc=True)
     meta = {p: json_format.MessageToDict(e.metadata.filter_metadata["inferlb"]) for p, e in by_port.items()}
 
     pinned = meta[8102]
@@ -294,62 +300,168 @@ def test_endpoint_metadata() -> None:
     assert meta[8103]["health"] == "unhealthy"
 
 
-def test_pick_policy_on_the_locality() -> None:
-    (locality,) = build_load_assignment(fleet()).endpoints
+def test_pick_policy_on_the_locality_for_ext_proc() -> None:
+    (locality,) = build_load_assignment(fleet(), ext_proc=True).endpoints
     meta = json_format.MessageToDict(locality.metadata.filter_metadata["inferlb"])
     assert meta == {"pick_policy": {"name": "least_completion_time", "params": {"alpha": 0.25, "use_queue": True}}}
 
 
 def test_empty_fleet_still_carries_the_pick_policy() -> None:
-    cla = build_load_assignment(FleetState())
+    cla = build_load_assignment(FleetState(), ext_proc=True)
     (locality,) = cla.endpoints
     assert not locality.lb_endpoints
     assert locality.metadata.filter_metadata["inferlb"].fields["pick_policy"].struct_value.fields["name"].string_value
 
 
-def test_overprovisioning_factor_is_explicit() -> None:
-    assert build_load_assignment(fleet()).policy.overprovisioning_factor.value == 100
+@pytest.mark.parametrize("ext_proc", [False, True])
+def test_overprovisioning_factor_is_explicit(ext_proc: bool) -> None:
+    assert build_load_assignment(fleet(), ext_proc=ext_proc).policy.overprovisioning_factor.value == 100
 
 
 def test_unserialisable_pick_params_are_rejected() -> None:
     state = replace(fleet(), pick_policy=PickPolicySpec(params={"bad": object()}))
     with pytest.raises(TypeError):
-        build_load_assignment(state)
+        build_load_assignment(state, ext_proc=True)
+
+
+def test_envoy_variant_has_no_metadata() -> None:
+    """Envoy reads address, health and weight only: no telemetry, no pick policy, no metadata at all."""
+    state = fleet()
+    (locality,) = build_load_assignment(state).endpoints
+    assert not locality.HasField("metadata")
+    assert all(not e.HasField("metadata") for e in locality.lb_endpoints)
+    rich = build_load_assignment(state, ext_proc=True)
+    assert weights_of(build_load_assignment(state)) == weights_of(rich)
+    lean_health = {p: e.health_status for p, e in _by_port(state).items()}
+    assert lean_health == {p: e.health_status for p, e in _by_port(state, ext_proc=True).items()}
+
+
+def test_telemetry_changes_only_the_ext_proc_variant() -> None:
+    state = fleet()
+    endpoints = list(state.endpoints)
+    endpoints[1] = replace(endpoints[1], telemetry=replace(TELEMETRY, cpu_utilization=0.75, observed_at=999.0))
+    changed = replace(state, endpoints=tuple(endpoints))
+    assert encode_load_assignment(changed) == encode_load_assignment(state)
+    assert encode_load_assignment(changed, ext_proc=True) != encode_load_assignment(state, ext_proc=True)
+
+
+def test_telemetry_is_quantised_so_noise_makes_no_new_version() -> None:
+    state = fleet()
+    endpoints = list(state.endpoints)
+    noisy = replace(TELEMETRY, cpu_utilization=0.5000004, rps=40.01, tokens_per_s=5001.0, latency_p99_s=0.09004)
+    endpoints[1] = replace(endpoints[1], telemetry=noisy)
+    assert encode_load_assignment(replace(state, endpoints=tuple(endpoints)), ext_proc=True) == \
+        encode_load_assignment(state, ext_proc=True)
+    meta = endpoint_metadata(endpoints[1])
+    assert (meta["cpu_utilization"], meta["rps"], meta["tokens_per_s"]) == (0.5, 40.0, 5000.0)
+    assert quantise(123456.0) == 123000.0 and quantise(0.00123456) == 0.00123 and quantise(-1.2345) == -1.23
+    assert quantise(0.0) == 0.0 and math.isinf(quantise(math.inf))
+
+
+@pytest.mark.parametrize("ext_proc", [False, True])
+def test_encoded_bytes_are_canonical_protobuf(ext_proc: bool) -> None:
+    """The hand-assembled bytes are exactly what protobuf's deterministic serialisation gives."""
+    state = fleet()
+    endpoints = [*state.endpoints, Endpoint("::1", 9, health=Health.HEALTHY, telemetry=replace(TELEMETRY, rps=1e21)),
+                 Endpoint("worker-" + "x" * 200, 65535, computed_weight=MAX_WEIGHT,
+                          telemetry=replace(TELEMETRY, inflight=-0.0, error_rate=1 / 3))]
+    state = replace(state, endpoints=tuple(endpoints),
+                    pick_policy=PickPolicySpec(name="ü", params={"n": None, "l": [1, "a", [], {}], "s": {"t": False}}))
+    data = encode_load_assignment(state, ext_proc=ext_proc)
+    assert endpoint_pb2.ClusterLoadAssignment.FromString(data).SerializeToString(deterministic=True) == data
+    assert build_load_assignment(state, ext_proc=ext_proc).SerializeToString(deterministic=True) == data
+
+
+@pytest.mark.parametrize("value", [
+    {}, {"a": 1}, {"": ""}, {"b": True, "a": False, "c": None}, {"x": -0.5, "y": 1e300, "z": 2**40},
+    {"nested": {"deep": {"list": [1, "two", None, True, {"k": []}]}}}, {"ü": "ßñ", "long": "v" * 300},
+])
+def test_struct_encoder_matches_protobuf(value: dict) -> None:
+    expected = struct_pb2.Struct()
+    expected.update(value)
+    assert resources._encode_struct(value) == expected.SerializeToString(deterministic=True)
+
+
+def test_struct_encoder_sorts_keys_lexicographically() -> None:
+    """Where one key is a prefix of another, upb puts the longer first; the encoder (like C++
+    protobuf) puts the shorter first: the same Struct either way, and always the same bytes."""
+    value = {str(i): i for i in range(50)} | {"a": 1, "ab": 2, "aaa": 3}
+    encoded = resources._encode_struct(value)
+    assert json_format.MessageToDict(struct_pb2.Struct.FromString(encoded)) == value
+    assert resources._encode_struct(dict(reversed(value.items()))) == encoded
+    assert _struct_keys_in_wire_order(encoded) == sorted(value)
+
+
+def _struct_keys_in_wire_order(data: bytes) -> list[str]:
+    keys, i = [], 0
+    while i < len(data):
+        assert data[i] == 0x0A
+        length, i = data[i + 1], i + 2  # every entry here is shorter than 128 bytes
+        entry = data[i:i + length]
+        assert entry[0] == 0x0A
+        keys.append(entry[2:2 + entry[1]].decode())
+        i += length
+    return keys
+
+
+def test_caches_do_not_change_the_bytes() -> None:
+    state = fleet()
+    warm = [encode_load_assignment(state, ext_proc=x) for x in (False, True)]
+    memos = [resources.EndpointMemo(), resources.EndpointMemo()]
+    assert [encode_load_assignment(state, ext_proc=x, memo=m) for x, m in zip((False, True), memos)] == warm
+    assert [encode_load_assignment(state, ext_proc=x, memo=m) for x, m in zip((False, True), memos)] == warm
+    endpoints = list(state.endpoints)
+    endpoints[0] = replace(endpoints[0], computed_weight=77, telemetry=TELEMETRY)
+    changed = replace(state, endpoints=tuple(endpoints))
+    assert [encode_load_assignment(changed, ext_proc=x, memo=m) for x, m in zip((False, True), memos)] == \
+        [encode_load_assignment(changed, ext_proc=x) for x in (False, True)]
+    for cached in (resources._lean_entry, resources._rich_entry, resources._rich_metadata, resources._base_entries,
+                   resources._telemetry_runs, resources._lb_address):
+        cached.cache_clear()
+    assert [encode_load_assignment(state, ext_proc=x) for x in (False, True)] == warm
 
 
 # --- the snapshot --------------------------------------------------------------------------------
 
-def test_build_resources_keys() -> None:
+@pytest.mark.parametrize("ext_proc", [False, True])
+def test_build_resources_keys(ext_proc: bool) -> None:
     state = fleet()
     s = state.settings
-    resources = build_resources(state)
-    assert {t: sorted(named) for t, named in resources.items()} == {
+    built = build_resources(state, ext_proc=ext_proc)
+    assert {t: sorted(named) for t, named in built.items()} == {
         type_urls.CLUSTER: sorted([s.workers_cluster, s.ext_proc_cluster]),
         type_urls.ENDPOINT: [s.workers_cluster],
         type_urls.LISTENER: [s.listener_name],
         type_urls.ROUTE: [s.route_name],
     }
-    for type_url, named in resources.items():
+    for type_url, named in built.items():
         for message in named.values():
             assert type_url == f"type.googleapis.com/{message.DESCRIPTOR.full_name}"
 
 
-def test_deterministic_bytes() -> None:
+@pytest.mark.parametrize("ext_proc", [False, True])
+def test_deterministic_bytes(ext_proc: bool) -> None:
     state = fleet()
-    first = _serialized(build_resources(state))
+    first = _serialized(build_resources(state, ext_proc=ext_proc))
     # the same state built again, endpoints in another order, params in another order
     shuffled = replace(state, endpoints=tuple(reversed(state.endpoints)),
                        pick_policy=PickPolicySpec(name="least_completion_time",
                                                   params={"use_queue": True, "alpha": 0.25}))
-    assert _serialized(build_resources(state)) == first
-    assert _serialized(build_resources(shuffled)) == first
+    assert _serialized(build_resources(state, ext_proc=ext_proc)) == first
+    assert _serialized(build_resources(shuffled, ext_proc=ext_proc)) == first
 
 
-def test_a_weight_change_only_changes_the_load_assignment() -> None:
+@pytest.mark.parametrize("ext_proc", [False, True])
+def test_a_weight_change_only_changes_the_load_assignment(ext_proc: bool) -> None:
     state = fleet()
     endpoints = list(state.endpoints)
     endpoints[1] = replace(endpoints[1], computed_weight=321)
-    before = _serialized(build_resources(state))
-    after = _serialized(build_resources(replace(state, endpoints=tuple(endpoints))))
+    before = _serialized(build_resources(state, ext_proc=ext_proc))
+    after = _serialized(build_resources(replace(state, endpoints=tuple(endpoints)), ext_proc=ext_proc))
     changed = {key for key in before if before[key] != after[key]}
     assert changed == {(type_urls.ENDPOINT, state.settings.workers_cluster)}
+
+
+def test_variants_share_everything_but_the_load_assignment() -> None:
+    lean, rich = (_serialized(build_resources(fleet(), ext_proc=x)) for x in (False, True))
+    assert {key for key in lean if lean[key] != rich[key]} == {(type_urls.ENDPOINT, "workers")}

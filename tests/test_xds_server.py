@@ -23,8 +23,15 @@ from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from google.protobuf import duration_pb2, wrappers_pb2
 
+from envoy.service.discovery.v3 import discovery_pb2
+
+from control_plane.config import ControlPlaneConfig
+from control_plane.controller import Controller
+from control_plane.model import Endpoint, FleetState, Health, Telemetry
 from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, PUSH_ORDER, ROUTE
 from control_plane.xds import ClientStatus, Snapshot, SnapshotCache, TypeStatus, serve_xds, stop_xds
+from control_plane.xds.server import encode_delta_response, encode_sotw_response
+from control_plane.xds.snapshot import Encoded
 from tests.conftest import free_port
 from tests.xds_client import DeltaClient, Received, SotwClient
 
@@ -186,6 +193,124 @@ def test_snapshot_rejects_builder_mistakes() -> None:
         Snapshot.from_resources({CLUSTER: {"a": load_assignment("a", WORKERS)}}, EPOCH)
     with pytest.raises(ValueError, match="unsupported"):
         Snapshot.from_resources({"type.googleapis.com/x.Y": {}}, EPOCH)
+
+
+def test_encoded_resources_and_replace_type() -> None:
+    first = snapshot()
+    data = load_assignment("workers", {"10.0.0.1:8101": 5}).SerializeToString(deterministic=True)
+    replaced = first.replace_type(ENDPOINT, {"workers": Encoded(ENDPOINT, "workers", data)})
+    assert replaced.changed_types(first) == {ENDPOINT}
+    assert replaced.resources(CLUSTER) is first.resources(CLUSTER)  # shared, not re-encoded
+    assert replaced.eds_names == first.eds_names
+    assert replaced.resources(ENDPOINT)["workers"].any.value == data
+    same = Snapshot.from_resources({ENDPOINT: {"workers": load_assignment("workers", {"10.0.0.1:8101": 5})}}, EPOCH)
+    assert same.version(ENDPOINT) == replaced.version(ENDPOINT)  # bytes in, or the message: one version
+    with pytest.raises(ValueError, match="differs"):
+        Snapshot.from_resources({ENDPOINT: {"a": Encoded(ENDPOINT, "b", data)}}, EPOCH)
+    with pytest.raises(ValueError, match="is not a"):
+        Snapshot.from_resources({ENDPOINT: {"a": Encoded(CLUSTER, "a", data)}}, EPOCH)
+
+
+def test_pre_serialised_responses_are_what_protobuf_would_send() -> None:
+    snap = snapshot(clusters={"workers": 1000, "ext": 1000}, weights={"workers": WORKERS, "ext": WORKERS})
+    resources = list(snap.resources(ENDPOINT).values())
+    sotw = discovery_pb2.DiscoveryResponse(version_info="v1", type_url=ENDPOINT, nonce="3-7",
+                                           resources=[r.any for r in resources])
+    assert encode_sotw_response(ENDPOINT, "v1", "3-7", resources) == sotw.SerializeToString(deterministic=True)
+    delta = discovery_pb2.DeltaDiscoveryResponse(
+        system_version_info="v2", type_url=ENDPOINT, nonce="1-2", removed_resources=["a", "b"],
+        resources=[discovery_pb2.Resource(name=r.name, version=r.version, resource=r.any) for r in resources])
+    assert encode_delta_response(ENDPOINT, "v2", "1-2", resources, {"b", "a"}) == \
+        delta.SerializeToString(deterministic=True)
+    empty = discovery_pb2.DiscoveryResponse(type_url=CLUSTER, nonce="1-1")
+    assert encode_sotw_response(CLUSTER, "", "1-1", []) == empty.SerializeToString(deterministic=True)
+
+
+def test_controller_serves_lean_eds_to_envoys_and_rich_eds_to_ext_proc() -> None:
+    """Envoys get address, health and weight; ext_proc's node group also gets telemetry and the
+    pick policy, and a telemetry-only change reaches ext_proc alone."""
+    telemetry = Telemetry(observed_at=1.0, cpu_utilization=0.25, rps=10.0)
+    state = FleetState(endpoints=(Endpoint("10.0.0.1", 8101, health=Health.HEALTHY, telemetry=telemetry),
+                                  Endpoint("10.0.0.2", 8102)))
+    group = state.settings.ext_proc_node_cluster
+
+    async def scenario() -> None:
+        cache = SnapshotCache()
+        controller = Controller(ControlPlaneConfig(), cache, None, state)
+        await controller.publish()
+        async with xds_server(cache) as address:
+            async with SotwClient(address, "envoy-1", "inferlb", follow_clusters=True) as envoy, \
+                    DeltaClient(address, "ext-proc-1", group) as ext_proc:
+                await envoy_like_sync(envoy)
+                await ext_proc.subscribe(ENDPOINT, ["workers"])
+                lean = (await envoy.next(ENDPOINT)).resources()["workers"]
+                rich = (await ext_proc.next(ENDPOINT)).resources()["workers"]
+                assert weights_of_cla(lean) == weights_of_cla(rich) == {"10.0.0.1:8101": 100, "10.0.0.2:8102": 100}
+                assert not lean.endpoints[0].HasField("metadata")
+                assert all(not e.HasField("metadata") for e in lean.endpoints[0].lb_endpoints)
+                assert rich.endpoints[0].metadata.filter_metadata["inferlb"].fields["pick_policy"]
+                meta = rich.endpoints[0].lb_endpoints[0].metadata.filter_metadata["inferlb"].fields
+                assert meta["cpu_utilization"].number_value == 0.25
+                await synced(cache, "envoy-1", controller.snapshot)
+                envoy_eds = len(envoy.of_type(ENDPOINT))
+
+                hotter = Telemetry(observed_at=2.0, cpu_utilization=0.5, rps=10.0)
+                controller.update(lambda s: FleetState(
+                    endpoints=(Endpoint("10.0.0.1", 8101, health=Health.HEALTHY, telemetry=hotter), s.endpoints[1]),
+                    settings=s.settings))
+                await controller.publish()
+                update = (await ext_proc.next(ENDPOINT)).resources()["workers"]
+                fields = update.endpoints[0].lb_endpoints[0].metadata.filter_metadata["inferlb"].fields
+                assert fields["cpu_utilization"].number_value == 0.5
+                # A weight change next: the Envoy's next EDS is that one (nothing for the telemetry).
+                controller.update(lambda s: FleetState(
+                    endpoints=(s.endpoints[0], Endpoint("10.0.0.2", 8102, computed_weight=7)), settings=s.settings))
+                await controller.publish()
+                reweighted = (await envoy.next(ENDPOINT)).resources()["workers"]
+                assert weights_of_cla(reweighted) == {"10.0.0.1:8101": 100, "10.0.0.2:8102": 7}
+                assert len(envoy.of_type(ENDPOINT)) == envoy_eds + 1
+                assert {c.node_id: c.group for c in cache.clients()} == {"envoy-1": "inferlb", "ext-proc-1": group}
+    run(scenario)
+
+
+def test_ext_proc_snapshot_follows_the_envoys_ack_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Envoys first (make before break): ext_proc's EDS changes once every Envoy has ACKed the new
+    EDS; an Envoy that does not answer delays it by ENVOYS_FIRST_MAX_WAIT_S at most."""
+    import control_plane.controller as controller_module
+
+    monkeypatch.setattr(controller_module, "ENVOYS_FIRST_MAX_WAIT_S", 0.3)
+    state = FleetState(endpoints=(Endpoint("10.0.0.1", 8101), Endpoint("10.0.0.2", 8102)))
+
+    def reweigh(weight: int) -> Callable[[FleetState], FleetState]:
+        return lambda s: FleetState(endpoints=(Endpoint("10.0.0.1", 8101, computed_weight=weight), s.endpoints[1]),
+                                    settings=s.settings)
+
+    async def scenario() -> None:
+        cache = SnapshotCache()
+        controller = Controller(ControlPlaneConfig(), cache, None, state)
+        await controller.publish()
+        async with xds_server(cache) as address:
+            async with SotwClient(address, "envoy-1", "inferlb", follow_clusters=True) as envoy:
+                await envoy_like_sync(envoy)
+                await synced(cache, "envoy-1", controller.snapshot)
+                controller.update(reweigh(5))
+                await controller.publish()
+                assert type_status(cache, "envoy-1", ENDPOINT).acked_version == controller.snapshot.version(ENDPOINT)
+                assert cache.get(state.settings.ext_proc_node_cluster) is controller.ext_proc_snapshot
+                envoy.auto_ack = False  # from now on the Envoy never answers
+                controller.update(reweigh(6))
+                started = asyncio.get_running_loop().time()
+                await controller.publish()
+                assert 0.25 <= asyncio.get_running_loop().time() - started < 5
+                assert not cache.default_settled(ENDPOINT)
+                rich = controller.ext_proc_snapshot.resources(ENDPOINT)["workers"].any.value
+                assert weights_of_cla(endpoint_pb2.ClusterLoadAssignment.FromString(rich))["10.0.0.1:8101"] == 6
+    run(scenario)
+
+
+def weights_of_cla(cla) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}":
+            e.load_balancing_weight.value for group in cla.endpoints for e in group.lb_endpoints}
 
 
 # -- state of the world ----------------------------------------------------------------------

@@ -5,6 +5,11 @@ emulate many Envoys (pass one shared ``grpc.aio.Channel`` to many clients and
 ``decode=False`` to skip parsing resources). Every response is recorded, in
 order, in ``received``; by default each is ACKed at once (``auto_ack``), or a
 ``decide`` callback returns an error text to NACK it instead.
+
+For long runs (the benchmark), ``history=False`` keeps ``received`` and
+``sent`` empty (no memory growth; ``next`` and ``of_type`` then see nothing,
+``wait_for`` still works on other state), and ``observe`` is called with
+every response as it arrives, before it is ACKed.
 """
 
 from __future__ import annotations
@@ -85,7 +90,8 @@ class _AdsClient:
 
     def __init__(self, target: str | grpc.aio.Channel, node_id: str, node_cluster: str = "", *,
                  auto_ack: bool = True, decide: Decision | None = None, follow_clusters: bool = False,
-                 decode: bool = True) -> None:
+                 decode: bool = True, history: bool = True,
+                 observe: Callable[[Received], None] | None = None) -> None:
         self._owns_channel = isinstance(target, str)
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) if isinstance(target, str) \
             else target
@@ -94,6 +100,8 @@ class _AdsClient:
         self.decide = decide
         self.follow_clusters = follow_clusters
         self.decode = decode
+        self.history = history
+        self.observe = observe
         self.received: list[Received] = []
         self.sent: list[tuple[int, Message]] = []
         self.ended = False
@@ -138,7 +146,9 @@ class _AdsClient:
             self._node_sent = True
         assert self._call is not None
         async with self._write_lock:
-            self.sent.append((next(self._seq), request))
+            seq = next(self._seq)
+            if self.history:
+                self.sent.append((seq, request))
             await self._call.write(request)
 
     async def _read(self) -> None:
@@ -149,7 +159,10 @@ class _AdsClient:
                 if response is grpc.aio.EOF:
                     break
                 received = self._record(response)
-                self.received.append(received)
+                if self.observe is not None:
+                    self.observe(received)
+                if self.history:
+                    self.received.append(received)
                 async with self._changed:
                     self._changed.notify_all()
                 await self._on_response(received)

@@ -13,6 +13,8 @@ it (build the snapshot in a thread, set it on the loop).
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -79,6 +81,7 @@ class SnapshotCache:
         self._pushes: Counter[str] = Counter()
         self._acks: Counter[str] = Counter()
         self._nacks: Counter[str] = Counter()
+        self._progress = asyncio.Event()  # set on every ACK, NACK and disconnect
 
     # -- snapshots ---------------------------------------------------------------
 
@@ -121,6 +124,47 @@ class SnapshotCache:
     def groups(self) -> list[str]:
         return sorted(self._snapshots)
 
+    def default_settled(self, type_url: str) -> bool:
+        """Has every stream served by the default snapshot acknowledged (or rejected) that
+        snapshot's version of ``type_url``? Streams that never asked for the type count as settled."""
+        return not self._default_unsettled(type_url)
+
+    async def wait_default_settled(self, type_url: str, timeout: float) -> bool:
+        """Wait, at most ``timeout`` seconds, for :meth:`default_settled`; return whether it is.
+
+        Streams that connect meanwhile are not waited for. Each ACK costs one check
+        (of the first stream still pending), not one per stream.
+        """
+        pending = collections.deque(self._default_unsettled(type_url))
+        version = self._default.version(type_url) if self._default is not None else ""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            self._progress.clear()
+            while pending and self._settled(pending[0], type_url, version):
+                pending.popleft()
+            if not pending:
+                return True
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), remaining)
+
+    def _default_unsettled(self, type_url: str) -> list[Watch]:
+        if self._default is None:
+            return []
+        version = self._default.version(type_url)
+        return [watch for group, watches in self._watches.items() if group not in self._snapshots
+                for watch in watches if not self._settled(watch, type_url, version)]
+
+    def _settled(self, watch: Watch, type_url: str, version: str) -> bool:
+        if watch not in self._watches.get(watch.group, ()):
+            return True  # gone
+        status = watch.record.status().types.get(type_url)
+        return status is None or status.acked_version == version or (
+            status.last_nack is not None and status.last_nack.version == version)
+
     def clear_snapshot(self, group: str) -> None:
         """Forget a group's snapshot; its streams keep what they have and wait for the next one."""
         self._snapshots.pop(group, None)
@@ -138,6 +182,7 @@ class SnapshotCache:
             watches.discard(watch)
             if not watches:
                 del self._watches[watch.group]
+        self._progress.set()
 
     def close_streams(self) -> None:
         """Ask every stream to end (graceful shutdown): clients reconnect elsewhere."""
@@ -157,9 +202,11 @@ class SnapshotCache:
 
     def count_ack(self, type_url: str) -> None:
         self._acks[type_url] += 1
+        self._progress.set()
 
     def count_nack(self, type_url: str) -> None:
         self._nacks[type_url] += 1
+        self._progress.set()
 
     def counters(self) -> XdsCounters:
         return XdsCounters(MappingProxyType(dict(self._pushes)), MappingProxyType(dict(self._acks)),

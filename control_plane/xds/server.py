@@ -40,6 +40,12 @@ Protocol decisions (Envoy's "xDS REST and gRPC protocol" document is the spec):
 * Wildcard: CDS/LDS requests that never named a resource (or name "*").
   SotW EDS/RDS responses carry only the requested names that are new or
   changed for this client (the spec allows it for these types).
+
+Responses go out pre-serialised: each resource's ``resources`` entry is
+encoded once per snapshot (``VersionedResource.sotw_entry``/``delta_entry``)
+and a response is those entries framed by the per-stream fields, in field
+order (the bytes protobuf itself would produce). The ADS methods are
+registered with a serializer that passes ``bytes`` through.
 """
 
 from __future__ import annotations
@@ -195,9 +201,10 @@ class _Protocol(ABC, Generic[S]):
 
     # -- responses -----------------------------------------------------------------
 
-    def plan(self, snapshot: Snapshot) -> list[Message]:
-        """The responses due now: updates in push order, else removals in reverse order."""
-        out: list[Message] = []
+    def plan(self, snapshot: Snapshot) -> list[tuple[str, bytes]]:
+        """The responses due now, as (type URL, serialised response): updates in push order,
+        else removals in reverse order."""
+        out: list[tuple[str, bytes]] = []
         for type_url in PUSH_ORDER:
             state = self._types.get(type_url)
             if state is None or state.inflight is not None:
@@ -223,7 +230,7 @@ class _Protocol(ABC, Generic[S]):
         state = self._types.get(type_url)
         return state is None or (state.inflight is None and self._update_plan(type_url, state, snapshot) is None)
 
-    def _emit(self, type_url: str, state: S, plan: _Plan, snapshot: Snapshot) -> Message:
+    def _emit(self, type_url: str, state: S, plan: _Plan, snapshot: Snapshot) -> tuple[str, bytes]:
         nonce = f"{self.record.stream_id}-{next(self._serial)}"
         if type_url == CLUSTER:
             changed = [n for n, r in plan.resources.items() if self._acked_version(state, n) != r.version]
@@ -238,7 +245,7 @@ class _Protocol(ABC, Generic[S]):
         LOG.debug("push %s version %s: %d resources, %d removed", SHORT_NAMES[type_url], plan.version,
                   len(plan.resources), len(plan.removed),
                   extra=_log_extra(self.record, "push", type_url=type_url, version=plan.version, nonce=nonce))
-        return response
+        return type_url, response
 
     # -- mode specific ---------------------------------------------------------------
 
@@ -270,7 +277,8 @@ class _Protocol(ABC, Generic[S]):
         """The response that drops removed resources of one type, if any (pure)."""
 
     @abstractmethod
-    def _response(self, type_url: str, nonce: str, plan: _Plan) -> Message: ...
+    def _response(self, type_url: str, nonce: str, plan: _Plan) -> bytes:
+        """The serialised response (DiscoveryResponse or DeltaDiscoveryResponse)."""
 
 
 class _SotwProtocol(_Protocol[_SotwState]):
@@ -378,10 +386,8 @@ class _SotwProtocol(_Protocol[_SotwState]):
             return None
         return _Plan(version, desired, removed)
 
-    def _response(self, type_url: str, nonce: str, plan: _Plan) -> Message:
-        return discovery_pb2.DiscoveryResponse(
-            version_info=plan.version, type_url=type_url, nonce=nonce,
-            resources=[r.any for r in plan.resources.values()])
+    def _response(self, type_url: str, nonce: str, plan: _Plan) -> bytes:
+        return encode_sotw_response(type_url, plan.version, nonce, plan.resources.values())
 
 
 class _DeltaProtocol(_Protocol[_DeltaState]):
@@ -482,12 +488,43 @@ class _DeltaProtocol(_Protocol[_DeltaState]):
             return None
         return _Plan(version, {}, frozenset(removed))
 
-    def _response(self, type_url: str, nonce: str, plan: _Plan) -> Message:
-        return discovery_pb2.DeltaDiscoveryResponse(
-            system_version_info=plan.version, type_url=type_url, nonce=nonce,
-            resources=[discovery_pb2.Resource(name=r.name, version=r.version, resource=r.any)
-                       for r in plan.resources.values()],
-            removed_resources=sorted(plan.removed))
+    def _response(self, type_url: str, nonce: str, plan: _Plan) -> bytes:
+        return encode_delta_response(type_url, plan.version, nonce, plan.resources.values(), plan.removed)
+
+
+def encode_sotw_response(type_url: str, version: str, nonce: str, resources: Iterable[VersionedResource]) -> bytes:
+    """The bytes of ``DiscoveryResponse(version_info, resources, type_url, nonce)`` from the
+    resources' pre-encoded entries (fields in number order: what deterministic protobuf gives)."""
+    return b"".join((
+        discovery_pb2.DiscoveryResponse(version_info=version).SerializeToString(),  # 1
+        *(_sotw_entry(r) for r in resources),  # 2
+        discovery_pb2.DiscoveryResponse(type_url=type_url, nonce=nonce).SerializeToString(),  # 4, 5
+    ))
+
+
+def encode_delta_response(type_url: str, version: str, nonce: str, resources: Iterable[VersionedResource],
+                          removed: Iterable[str] = ()) -> bytes:
+    """The bytes of ``DeltaDiscoveryResponse(system_version_info, resources, type_url, nonce,
+    removed_resources)``, removed names sorted, from the resources' pre-encoded entries."""
+    return b"".join((
+        discovery_pb2.DeltaDiscoveryResponse(system_version_info=version).SerializeToString(),  # 1
+        *(_delta_entry(r) for r in resources),  # 2
+        discovery_pb2.DeltaDiscoveryResponse(type_url=type_url, nonce=nonce,  # 4, 5, 6
+                                             removed_resources=sorted(removed)).SerializeToString(),
+    ))
+
+
+def _sotw_entry(resource: VersionedResource) -> bytes:
+    if resource.sotw_entry:
+        return resource.sotw_entry
+    return discovery_pb2.DiscoveryResponse(resources=[resource.any]).SerializeToString()
+
+
+def _delta_entry(resource: VersionedResource) -> bytes:
+    if resource.delta_entry:
+        return resource.delta_entry
+    return discovery_pb2.DeltaDiscoveryResponse(resources=[discovery_pb2.Resource(
+        name=resource.name, version=resource.version, resource=resource.any)]).SerializeToString()
 
 
 @dataclass(slots=True)
@@ -513,7 +550,11 @@ async def _pump(requests: AsyncIterator[Message], inbox: collections.deque, wake
 
 
 class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
-    """grpc.aio servicer for both ADS variants over one :class:`SnapshotCache`."""
+    """grpc.aio servicer for both ADS variants over one :class:`SnapshotCache`.
+
+    Its methods yield serialised responses (``bytes``): register it with
+    :func:`add_to_server`, not the generated ``add_..._to_server``.
+    """
 
     def __init__(self, cache: SnapshotCache, metrics: XdsMetrics | None = None) -> None:
         self._cache = cache
@@ -529,7 +570,7 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
             yield response
 
     async def _serve(self, protocol_type: type[_Protocol], requests: AsyncIterator[Message],
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         wake = asyncio.Event()
         inbox: collections.deque = collections.deque()
         reader = asyncio.create_task(_pump(requests, inbox, wake))
@@ -555,9 +596,9 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
                 if snapshot is None:
                     continue  # nothing to serve this group yet; wait for set_snapshot
                 since = changed_at if changed_at is not None else woke_at
-                for response in session.protocol.plan(snapshot):
+                for type_url, response in session.protocol.plan(snapshot):
                     yield response
-                    self._metrics.on_push(response.type_url, time.monotonic() - since)
+                    self._metrics.on_push(type_url, time.monotonic() - since)
         finally:
             reader.cancel()
             if session is not None:
@@ -587,6 +628,30 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
                  extra=_log_extra(record, "disconnect"))
 
 
+_ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
+
+
+def _serialize_response(response: bytes | Message) -> bytes:
+    """Pre-serialised responses pass through; messages (if any) are serialised as usual."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
+def add_to_server(servicer: AggregatedDiscoveryServer, server: grpc.aio.Server) -> None:
+    """Register both ADS methods (the generated registration, with a bytes-passing serializer)."""
+    handlers = {
+        "StreamAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamAggregatedResources,
+            request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+            response_serializer=_serialize_response),
+        "DeltaAggregatedResources": grpc.stream_stream_rpc_method_handler(
+            servicer.DeltaAggregatedResources,
+            request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+            response_serializer=_serialize_response),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_ADS_SERVICE, handlers),))
+    server.add_registered_method_handlers(_ADS_SERVICE, handlers)
+
+
 async def serve_xds(cache: SnapshotCache, address: str = "127.0.0.1:18000",
                     metrics: XdsMetrics | None = None) -> grpc.aio.Server:
     """Start the ADS server on ``address`` and return it (already serving).
@@ -598,7 +663,7 @@ async def serve_xds(cache: SnapshotCache, address: str = "127.0.0.1:18000",
         ("grpc.max_send_message_length", -1),
         ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     ])
-    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(AggregatedDiscoveryServer(cache, metrics), server)
+    add_to_server(AggregatedDiscoveryServer(cache, metrics), server)
     port = server.add_insecure_port(address)
     await server.start()
     LOG.info("xDS server listening on %s", address, extra={"xds_event": "listen", "address": address, "port": port})

@@ -5,6 +5,12 @@ resource is serialised exactly once, here, into a ``google.protobuf.Any``: a
 thousand streams pushing the same 10,000-endpoint ClusterLoadAssignment only
 copy bytes, never re-encode it.
 
+Each resource is also encoded, once, as the ``resources`` entry of a SotW
+``DiscoveryResponse`` and of a ``DeltaDiscoveryResponse``: the server sends
+pre-serialised responses that are these entries plus a small per-stream header
+(version, type URL, nonce), so a push to many streams neither copies the big
+Any into a new message per stream nor re-encodes it per stream.
+
 Versions are content hashes prefixed with a per-process *epoch*. The hash makes
 an unchanged resource keep its version across snapshots (so a weight-only
 change touches EDS alone, and Delta clients are not sent what they have); the
@@ -17,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
@@ -40,12 +47,42 @@ def make_epoch() -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Encoded:
+    """A resource its builder already serialised (deterministically): used as is, never re-encoded.
+
+    ``name`` must be the resource's own name (its ``name``, or ``cluster_name``
+    for a ClusterLoadAssignment); the builder vouches for it and for the type.
+    """
+
+    type_url: str
+    name: str
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class VersionedResource:
-    """One resource, serialised once; ``version`` changes iff its bytes change."""
+    """One resource, serialised once; ``version`` changes iff its bytes change.
+
+    ``sotw_entry`` / ``delta_entry``: the resource encoded as one ``resources``
+    entry of a ``DiscoveryResponse`` / ``DeltaDiscoveryResponse`` (empty when
+    built by hand; the server then encodes it itself).
+    """
 
     name: str
     version: str
     any: any_pb2.Any
+    sotw_entry: bytes = field(default=b"", repr=False, compare=False)
+    delta_entry: bytes = field(default=b"", repr=False, compare=False)
+
+    @classmethod
+    def encode(cls, type_url: str, name: str, data: bytes, epoch: str) -> "VersionedResource":
+        """Version ``data`` by its hash under ``epoch`` and encode its response entries."""
+        version = f"{epoch}.{hashlib.sha256(data).hexdigest()[:_HASH_HEX]}"
+        packed = any_pb2.Any(type_url=type_url, value=data)
+        sotw = discovery_pb2.DiscoveryResponse(resources=[packed]).SerializeToString()
+        delta = discovery_pb2.DeltaDiscoveryResponse(resources=[
+            discovery_pb2.Resource(name=name, version=version, resource=packed)]).SerializeToString()
+        return cls(name, version, packed, sotw, delta)
 
 
 def _digest(parts: Iterable[tuple[str, str]]) -> str:
@@ -61,6 +98,21 @@ def _digest(parts: Iterable[tuple[str, str]]) -> str:
 def _resource_name(type_url: str, message: Message) -> str:
     # ClusterLoadAssignment names itself by cluster_name; the others by name.
     return message.cluster_name if type_url == ENDPOINT else message.name  # type: ignore[attr-defined]
+
+
+def _versioned(type_url: str, name: str, resource: Message | Encoded, epoch: str) -> VersionedResource:
+    if isinstance(resource, Encoded):
+        if resource.type_url != type_url:
+            raise ValueError(f"{name!r}: a {resource.type_url} is not a {type_url}")
+        if resource.name != name:
+            raise ValueError(f"{type_url}: key {name!r} differs from the resource's name {resource.name!r}")
+        return VersionedResource.encode(type_url, name, resource.data, epoch)
+    if _TYPE_URL_PREFIX + resource.DESCRIPTOR.full_name != type_url:
+        raise ValueError(f"{name!r}: a {resource.DESCRIPTOR.full_name} is not a {type_url}")
+    if _resource_name(type_url, resource) != name:
+        raise ValueError(f"{type_url}: key {name!r} differs from the resource's name "
+                         f"{_resource_name(type_url, resource)!r}")
+    return VersionedResource.encode(type_url, name, resource.SerializeToString(deterministic=True), epoch)
 
 
 def _eds_name(cluster: cluster_pb2.Cluster) -> str | None:
@@ -86,17 +138,29 @@ class Snapshot:
     eds_names: Mapping[str, str]
 
     @classmethod
-    def from_resources(cls, resources: Mapping[str, Mapping[str, Message]], epoch: str) -> "Snapshot":
-        """Serialise and version every resource.
+    def from_resources(cls, resources: Mapping[str, Mapping[str, Message | Encoded]], epoch: str) -> "Snapshot":
+        """Serialise, version and encode every resource (``Encoded`` ones are taken as they are).
 
-        This is CPU work (about 2 ms per 10,000 endpoints plus hashing): call it
+        This is CPU work (a few ms per 10,000 endpoints: hashing and copying): call it
         in a worker thread, ``await asyncio.to_thread(Snapshot.from_resources, ...)``,
         then hand the result to ``SnapshotCache.set_snapshot`` on the event loop.
 
-        Raises ``ValueError`` for an unknown type URL, a message of the wrong type,
+        Raises ``ValueError`` for an unknown type URL, a resource of the wrong type,
         or a mapping key that differs from the resource's own name (all builder bugs
         that Envoy would otherwise NACK much later).
         """
+        return cls._build(resources, epoch, None)
+
+    def replace_type(self, type_url: str, resources: Mapping[str, Message | Encoded]) -> "Snapshot":
+        """This snapshot with the resources of one type replaced (the others shared, not re-encoded).
+
+        E.g. the ext_proc group's snapshot: the Envoys' one with a richer EDS.
+        """
+        return self._build({type_url: resources}, self.epoch, self)
+
+    @classmethod
+    def _build(cls, resources: Mapping[str, Mapping[str, Message | Encoded]], epoch: str,
+               base: "Snapshot | None") -> "Snapshot":
         unknown = set(resources) - set(PUSH_ORDER)
         if unknown:
             raise ValueError(f"unsupported type URLs: {sorted(unknown)}")
@@ -104,18 +168,19 @@ class Snapshot:
         versions: dict[str, str] = {}
         eds_names: dict[str, str] = {}
         for type_url in PUSH_ORDER:
-            items: dict[str, VersionedResource] = {}
-            for name, message in resources.get(type_url, {}).items():
-                if _TYPE_URL_PREFIX + message.DESCRIPTOR.full_name != type_url:
-                    raise ValueError(f"{name!r}: a {message.DESCRIPTOR.full_name} is not a {type_url}")
-                if _resource_name(type_url, message) != name:
-                    raise ValueError(f"{type_url}: key {name!r} differs from the resource's name "
-                                     f"{_resource_name(type_url, message)!r}")
-                data = message.SerializeToString(deterministic=True)
-                version = f"{epoch}.{hashlib.sha256(data).hexdigest()[:_HASH_HEX]}"
-                items[name] = VersionedResource(name, version, any_pb2.Any(type_url=type_url, value=data))
+            if base is not None and type_url not in resources:
+                by_type[type_url] = base.resources(type_url)
+                versions[type_url] = base.version(type_url)
                 if type_url == CLUSTER:
-                    eds = _eds_name(message)  # type: ignore[arg-type]
+                    eds_names.update(base.eds_names)
+                continue
+            items: dict[str, VersionedResource] = {}
+            for name, resource in resources.get(type_url, {}).items():
+                items[name] = _versioned(type_url, name, resource, epoch)
+                if type_url == CLUSTER:
+                    if isinstance(resource, Encoded):
+                        resource = cluster_pb2.Cluster.FromString(resource.data)
+                    eds = _eds_name(resource)  # type: ignore[arg-type]
                     if eds is not None:
                         eds_names[name] = eds
             by_type[type_url] = MappingProxyType(items)
