@@ -46,6 +46,8 @@ class DataPlaneConfig(BaseModel):
     retries: int = Field(2, ge=0, le=10)
     health_check_interval_s: float = Field(1.0, gt=0)
     slow_start_window_s: float = Field(10.0, ge=0)
+    # xDS node cluster of the ext_proc replicas: they get the EDS with telemetry metadata.
+    ext_proc_node_cluster: str = Field("inferlb-ext-proc", min_length=1)
 
     def settings(self) -> DataPlaneSettings:
         return DataPlaneSettings(
@@ -61,6 +63,7 @@ class DataPlaneConfig(BaseModel):
             retries=self.retries,
             health_check_interval_s=self.health_check_interval_s,
             slow_start_window_s=self.slow_start_window_s,
+            ext_proc_node_cluster=self.ext_proc_node_cluster,
         )
 
 
