@@ -15,12 +15,13 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from workers import model_store
 from workers.engine import Engine
 from workers.model_files import BertConfig, PackagedModel
 from workers.model_store import ModelArtifacts, prepare_models
-from workers.onnx_graph import build_embedding_graph
+from workers.onnx_graph import LINEAR_INPUTS, Int8Prep, build_embedding_graph, plan_int8
 from workers.tokenization import encode_texts, load_tokenizer
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -224,7 +225,64 @@ def test_graph_matches_numpy_reference_with_padding() -> None:
     np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
+def width(group: str) -> int:
+    """Channels at the input of a group of TINY's weight MatMuls."""
+    return TINY.intermediate_size if group == "ffn_out" else TINY.hidden_size
+
+
+def test_int8_rewrites_leave_the_fp32_result_unchanged() -> None:
+    # Smoothing (all four groups, including the free one folded into v) and the fp32
+    # outlier-channel path are exact rewrites; only quantisation may change results.
+    w = tiny_weights(TINY)
+    rng = np.random.default_rng(1)
+    prep = Int8Prep(
+        smoothing={
+            (layer, group): rng.uniform(0.2, 5.0, size=width(group)).astype(np.float32)
+            for layer in range(TINY.num_layers)
+            for group in LINEAR_INPUTS
+        },
+        fp32_ffn_channels={0: [3, 11], 1: [7]},
+    )
+    plain = ort.InferenceSession(
+        build_embedding_graph(w, TINY).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    rewritten = ort.InferenceSession(
+        build_embedding_graph(w, TINY, prep).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+    input_ids = np.array([[1, 5, 7, 3, 9], [2, 4, 0, 0, 0]], dtype=np.int64)
+    attention_mask = np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=np.int64)
+    feeds = {"input_ids": input_ids, "attention_mask": attention_mask}
+    np.testing.assert_allclose(rewritten.run(None, feeds)[0], plain.run(None, feeds)[0], atol=1e-5)
+
+
+def test_plan_int8_smooths_and_isolates_outlier_channels() -> None:
+    w = tiny_weights(TINY)
+    absmax = {
+        (layer, group): np.ones(width(group), np.float32)
+        for layer in range(TINY.num_layers)
+        for group in LINEAR_INPUTS
+    }
+    absmax[(1, "ffn_out")][5] = 40.0  # one GELU channel far above the rest
+    prep = plan_int8(w, TINY, absmax)
+    assert prep.fp32_ffn_channels == {1: [5]}
+    smoothed_groups = ("qkv", "attn_out", "ffn_in")
+    assert set(prep.smoothing) == {(layer, g) for layer in range(TINY.num_layers) for g in smoothed_groups}
+    assert all(s.shape == (TINY.hidden_size,) and (s > 0).all() for s in prep.smoothing.values())
+
+
 # --- the cache, on a tiny model so that builds take milliseconds -------------------------------
+
+
+def tiny_tokenizer() -> Tokenizer:
+    """A word-level tokenizer over TINY's vocabulary, with [CLS]/[SEP] like the real one."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "a", "is", "of", "and", "to", "in", "on", "for", "with"]
+    vocab = {word: index for index, word in enumerate(words[: TINY.vocab_size])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])]
+    )
+    return tokenizer
 
 
 @pytest.fixture
@@ -238,7 +296,7 @@ def tiny_source(tmp_path: Path) -> PackagedModel:
         config=directory / "config.json",
     )
     save_file(tiny_weights(TINY), str(source.weights))
-    source.tokenizer.write_text("{}")  # only copied by prepare_models
+    tiny_tokenizer().save(str(source.tokenizer))  # prepare_models calibrates int8 on tokenized texts
     source.config.write_text(
         json.dumps(
             {

@@ -2,18 +2,39 @@
 
 Why by hand: exporting through torch would make torch (and gigabytes of CUDA)
 a set-up dependency. The encoder is small and fixed, so it is spelled out
-node by node here with ``onnx.helper``. The node patterns follow what a
-PyTorch export of Hugging Face's BertModel produces (MatMul+Add, Div/Erf
-GELU, additive mask), so ONNX Runtime's graph fusions recognise them.
+node by node here with ``onnx.helper``, in the node patterns ONNX Runtime
+fuses (MatMul+Add, Div/Erf GELU).
+
+Attention is the standard ``Attention`` op of opset 24, given the number of
+real tokens of each row (``nonpad_kv_seqlen``) instead of a mask: on one CPU
+core it beats both the spelled-out MatMul/Softmax chain and the
+``com.microsoft`` MultiHeadAttention with a padding mask (which leaves ONNX
+Runtime's flash-attention path). So ``attention_mask`` must be a prefix
+mask: each row's real tokens first, then padding, as ``Engine`` pads.
 
 The graph ends with sentence-transformers' pooling: the mean of the token
 states over ``attention_mask``, then L2 normalisation, so the output is the
 finished sentence embedding.
+
+For the int8 model the same builder takes an ``Int8Prep`` (see
+``plan_int8``), two rewrites that leave the fp32 result unchanged but make
+dynamic int8 quantisation of the weight MatMuls accurate:
+
+- SmoothQuant-style smoothing: a few activation channels (one LayerNorm
+  channel reaches ~30 where most stay under 2) set the per-tensor int8 scale
+  of a whole activation. Dividing each input channel by ``s`` and multiplying
+  the matching weight row by ``s`` moves that range into the per-channel
+  quantised weights. Before the attention output projection this folds into
+  the value projection for free; elsewhere it costs one Mul.
+- Outlier FFN channels: in four layers one or two of the 1536 GELU outputs
+  reach 14-25 where the rest stay under ~7. Those channels get their own
+  small fp32 path (``ffn_in_fp32``/``ffn_out_fp32`` MatMuls, kept out of the
+  quantisation) and are removed from the int8 FFN.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,13 +43,34 @@ from onnx import TensorProto, helper, numpy_helper
 
 from workers.model_files import BertConfig
 
-OPSET = 17  # LayerNormalization is standard from 17; ORT 1.31 and its tools handle it well.
-IR_VERSION = 8  # the IR version that goes with opset 17
+OPSET = 24  # Attention with nonpad_kv_seqlen arrived in opset 24; ORT 1.31 runs it on CPU.
+IR_VERSION = 12  # the IR version that goes with opset 24
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 OUTPUT = "embedding"
-# Added to attention scores of padded keys; exp() of it underflows to exactly 0.
-MASK_VALUE = -10000.0
+# The input groups of the weight MatMuls: q, k and v share one input.
+LINEAR_INPUTS = ("qkv", "attn_out", "ffn_in", "ffn_out")
+# Smoothing exponent (SmoothQuant's alpha): 0 leaves activations alone, 1 moves all range into weights.
+SMOOTHING_ALPHA = 0.6
+# An FFN channel whose calibrated |GELU| maximum exceeds this multiple of the layer's
+# median channel maximum goes to the fp32 path (at most MAX_FP32_FFN_CHANNELS). Here the
+# medians are ~1.1; the outliers reach 14-25 and the next largest channels 4-7.
+FFN_OUTLIER_RATIO = 8.0
+MAX_FP32_FFN_CHANNELS = 4
+
+
+@dataclass(frozen=True)
+class Int8Prep:
+    """Exact rewrites of the graph that make dynamic int8 quantisation accurate.
+
+    ``smoothing[(layer, group)]``: per-input-channel factors ``s`` for a group
+    of ``LINEAR_INPUTS``; the activation is divided by ``s`` and the weight rows
+    multiplied by it. ``fp32_ffn_channels[layer]``: intermediate channels
+    computed on an fp32 path outside the int8 FFN.
+    """
+
+    smoothing: Mapping[tuple[int, str], np.ndarray] = field(default_factory=dict)
+    fp32_ffn_channels: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,11 +99,19 @@ class _GraphBuilder:
 
 
 def linear_node_name(layer: int, part: str) -> str:
-    """Name of a layer's Linear MatMul node (part: q, k, v, attn_out, ffn_in, ffn_out).
+    """Name of a layer's Linear MatMul node.
 
-    Quantisation refers to nodes by these names to keep a few of them in fp32.
+    part: q, k, v, attn_out, ffn_in, ffn_out, or ffn_in_fp32/ffn_out_fp32 (the
+    outlier-channel path, which quantisation must leave alone).
     """
     return f"l{layer}_{part}_matmul"
+
+
+def linear_input_name(layer: int, group: str) -> str:
+    """Name of the (unsmoothed) tensor that feeds a group of ``LINEAR_INPUTS``; for calibration."""
+    if group == "qkv":
+        return "emb_out" if layer == 0 else f"l{layer - 1}_out"
+    return {"attn_out": f"l{layer}_ctx", "ffn_in": f"l{layer}_attn_ln", "ffn_out": f"l{layer}_gelu"}[group]
 
 
 def _weight_lookup(weights: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -72,13 +122,69 @@ def _weight_lookup(weights: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray
     return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
-def build_embedding_graph(weights: Mapping[str, np.ndarray], config: BertConfig) -> onnx.ModelProto:
-    """Return the ONNX model: (input_ids, attention_mask) -> L2-normalised mean-pooled embedding.
+def _group_weights(layer: int, group: str) -> tuple[str, ...]:
+    p = f"encoder.layer.{layer}"
+    return {
+        "qkv": tuple(f"{p}.attention.self.{m}.weight" for m in ("query", "key", "value")),
+        "attn_out": (f"{p}.attention.output.dense.weight",),
+        "ffn_in": (f"{p}.intermediate.dense.weight",),
+        "ffn_out": (f"{p}.output.dense.weight",),
+    }[group]
 
-    Both inputs are int64 [batch, sequence]; the output is float32 [batch, hidden].
-    Padded positions (attention_mask 0) influence neither attention nor pooling.
+
+def plan_int8(
+    weights: Mapping[str, np.ndarray],
+    config: BertConfig,
+    activation_absmax: Mapping[tuple[int, str], np.ndarray],
+    *,
+    smooth: Sequence[str] = ("qkv", "attn_out", "ffn_in"),
+    alpha: float = SMOOTHING_ALPHA,
+    outlier_ratio: float = FFN_OUTLIER_RATIO,
+) -> Int8Prep:
+    """The ``Int8Prep`` for calibrated per-channel |activation| maxima (keyed like ``smoothing``).
+
+    Smoothing factor per input channel j: ``max|X_j| ** alpha / max|W_j| ** (1 - alpha)``.
+    The GELU output (``ffn_out``) is better served by the fp32 outlier path than by
+    smoothing, which would cost a Mul over all 1536 channels.
     """
     w = _weight_lookup(weights)
+    smoothing: dict[tuple[int, str], np.ndarray] = {}
+    fp32_channels: dict[int, list[int]] = {}
+    for layer in range(config.num_layers):
+        for group in smooth:
+            x_max = np.asarray(activation_absmax[(layer, group)], dtype=np.float64)
+            # torch Linear weights are [out, in]: the max over out per input channel.
+            w_max = np.max(
+                [np.abs(np.asarray(w[name], dtype=np.float64)).max(axis=0) for name in _group_weights(layer, group)],
+                axis=0,
+            )
+            s = np.maximum(x_max, 1e-5) ** alpha / np.maximum(w_max, 1e-5) ** (1.0 - alpha)
+            smoothing[(layer, group)] = s.astype(np.float32)
+        gelu_max = np.asarray(activation_absmax[(layer, "ffn_out")], dtype=np.float64)
+        threshold = outlier_ratio * np.median(gelu_max)
+        outliers = [int(j) for j in np.argsort(gelu_max)[::-1][:MAX_FP32_FFN_CHANNELS] if gelu_max[j] > threshold]
+        if outliers:
+            fp32_channels[layer] = sorted(outliers)
+    return Int8Prep(smoothing=smoothing, fp32_ffn_channels=fp32_channels)
+
+
+def build_embedding_graph(
+    weights: Mapping[str, np.ndarray],
+    config: BertConfig,
+    prep: Int8Prep | None = None,
+    *,
+    expose_linear_inputs: bool = False,
+) -> onnx.ModelProto:
+    """Return the ONNX model: (input_ids, attention_mask) -> L2-normalised mean-pooled embedding.
+
+    Both inputs are int64 [batch, sequence], right-padded; the output is float32
+    [batch, hidden]. Padded positions (attention_mask 0) influence neither
+    attention nor pooling. ``prep`` rewrites the graph for int8 quantisation
+    (same fp32 result). ``expose_linear_inputs`` adds the ``linear_input_name``
+    tensors as extra outputs, for calibration.
+    """
+    w = _weight_lookup(weights)
+    prep = prep or Int8Prep()
 
     def get(name: str) -> np.ndarray:
         if name not in w:
@@ -86,20 +192,42 @@ def build_embedding_graph(weights: Mapping[str, np.ndarray], config: BertConfig)
         return np.asarray(w[name], dtype=np.float32)
 
     g = _GraphBuilder()
-    hidden, heads, head_size = config.hidden_size, config.num_heads, config.head_size
+    hidden, heads = config.hidden_size, config.num_heads
     eps = config.layer_norm_eps
 
-    def linear(x: str, prefix: str, layer: int, part: str) -> str:
-        # torch Linear stores [out, in]; MatMul wants [in, out].
-        weight = g.const(f"{prefix}.weight", get(f"{prefix}.weight").T)
-        bias = g.const(f"{prefix}.bias", get(f"{prefix}.bias"))
-        product = g.op("MatMul", [x, weight], linear_node_name(layer, part))
-        return g.op("Add", [product, bias], f"l{layer}_{part}")
+    def linear(x: str, weight: np.ndarray, bias: np.ndarray, layer: int, part: str) -> str:
+        """x @ weight + bias, with weight already [in, out] (torch Linear stores [out, in])."""
+        weight_name = g.const(f"l{layer}_{part}.weight", weight.astype(np.float32))
+        bias_name = g.const(f"l{layer}_{part}.bias", bias.astype(np.float32))
+        product = g.op("MatMul", [x, weight_name], linear_node_name(layer, part))
+        return g.op("Add", [product, bias_name], f"l{layer}_{part}")
+
+    def smoothed(x: str, layer: int, group: str, channels: np.ndarray | None = None) -> tuple[str, np.ndarray | None]:
+        """Divide x's channels by the group's smoothing factors (those of ``channels`` only, if given)."""
+        s = prep.smoothing.get((layer, group))
+        if s is None:
+            return x, None
+        if channels is not None:
+            s = s[channels]
+        inverse = g.const(f"l{layer}_{group}.smoothing", (1.0 / s).astype(np.float32))
+        return g.op("Mul", [x, inverse], f"l{layer}_{group}_smoothed"), s
+
+    def rows(weight: np.ndarray, s: np.ndarray | None) -> np.ndarray:
+        return weight if s is None else weight * s[:, None]
 
     def layer_norm(x: str, prefix: str, out: str) -> str:
         gamma = g.const(f"{prefix}.weight", get(f"{prefix}.weight"))
         beta = g.const(f"{prefix}.bias", get(f"{prefix}.bias"))
         return g.op("LayerNormalization", [x, gamma, beta], out, axis=-1, epsilon=eps)
+
+    sqrt2 = g.scalar(float(np.sqrt(2.0)))
+    one, half = g.scalar(1.0), g.scalar(0.5)
+
+    def gelu(h: str, out: str) -> str:
+        # Exact (erf) GELU: h * 0.5 * (1 + erf(h / sqrt 2)); ONNX Runtime fuses the pattern.
+        erf = g.op("Erf", [g.op("Div", [h, sqrt2], f"{out}_div")], f"{out}_erf")
+        product = g.op("Mul", [h, g.op("Add", [erf, one], f"{out}_add")], f"{out}_mul")
+        return g.op("Mul", [product, half], out)
 
     # Embeddings: word + position + token type 0 (a single sentence), then LayerNorm.
     word_table = g.const("embeddings.word_embeddings.weight", get("embeddings.word_embeddings.weight"))
@@ -113,45 +241,59 @@ def build_embedding_graph(weights: Mapping[str, np.ndarray], config: BertConfig)
     x = g.op("Add", [g.op("Add", [words, positions], "emb_word_pos"), type0], "emb_sum")
     x = layer_norm(x, "embeddings.LayerNorm", "emb_out")
 
-    # Additive attention mask [batch, 1, 1, sequence]: 0 for tokens, MASK_VALUE for padding.
-    # Unsqueeze, Unsqueeze, Cast, Sub, Mul: the chain ORT's attention fusion looks for.
-    mask_4d = g.op("Unsqueeze", [ATTENTION_MASK, g.ints([1])], "mask_unsqueeze1")
-    mask_4d = g.op("Unsqueeze", [mask_4d, g.ints([2])], "mask_unsqueeze2")
-    mask_4d = g.op("Cast", [mask_4d], "mask_4d", to=TensorProto.FLOAT)
-    inverted = g.op("Sub", [g.scalar(1.0), mask_4d], "mask_inverted")
-    additive_mask = g.op("Mul", [inverted, g.scalar(MASK_VALUE)], "mask_additive")
+    # Real tokens per row: attention ignores keys at and beyond it (right padding).
+    kv_lengths = g.op("ReduceSum", [ATTENTION_MASK, g.ints([1])], "kv_lengths", keepdims=0)
 
-    split_heads = g.ints([0, 0, heads, head_size])
-    merge_heads = g.ints([0, 0, hidden])
-    sqrt2 = g.scalar(float(np.sqrt(2.0)))
-    one, half = g.scalar(1.0), g.scalar(0.5)
-    scale = g.scalar(float(np.sqrt(head_size)))
-
+    exposed: list[str] = []
     for i in range(config.num_layers):
         p = f"encoder.layer.{i}"
         n = f"l{i}"
-        # Self-attention: [b, s, h] -> [b, heads, s, d] (keys as [b, heads, d, s]).
-        q = g.op("Reshape", [linear(x, f"{p}.attention.self.query", i, "q"), split_heads], f"{n}_q_split")
-        k = g.op("Reshape", [linear(x, f"{p}.attention.self.key", i, "k"), split_heads], f"{n}_k_split")
-        v = g.op("Reshape", [linear(x, f"{p}.attention.self.value", i, "v"), split_heads], f"{n}_v_split")
-        q = g.op("Transpose", [q], f"{n}_q_heads", perm=[0, 2, 1, 3])
-        k = g.op("Transpose", [k], f"{n}_k_heads", perm=[0, 2, 3, 1])
-        v = g.op("Transpose", [v], f"{n}_v_heads", perm=[0, 2, 1, 3])
-        scores = g.op("Div", [g.op("MatMul", [q, k], f"{n}_qk"), scale], f"{n}_scores")
-        scores = g.op("Add", [scores, additive_mask], f"{n}_scores_masked")
-        probs = g.op("Softmax", [scores], f"{n}_probs", axis=-1)
-        context = g.op("Transpose", [g.op("MatMul", [probs, v], f"{n}_ctx")], f"{n}_ctx_t", perm=[0, 2, 1, 3])
-        context = g.op("Reshape", [context, merge_heads], f"{n}_ctx_merged")
-        attn = linear(context, f"{p}.attention.output.dense", i, "attn_out")
+        exposed.append(x)
+        # Self-attention on [batch, sequence, hidden] tensors; Attention splits the heads.
+        x_qkv, s_qkv = smoothed(x, i, "qkv")
+        s_ctx = prep.smoothing.get((i, "attn_out"))
+        value_w, value_b = get(f"{p}.attention.self.value.weight").T, get(f"{p}.attention.self.value.bias")
+        if s_ctx is not None:  # context = probs @ v, so dividing v's channels divides the context's
+            value_w, value_b = value_w / s_ctx[None, :], value_b / s_ctx
+        q_w, q_b = get(f"{p}.attention.self.query.weight").T, get(f"{p}.attention.self.query.bias")
+        k_w, k_b = get(f"{p}.attention.self.key.weight").T, get(f"{p}.attention.self.key.bias")
+        q = linear(x_qkv, rows(q_w, s_qkv), q_b, i, "q")
+        k = linear(x_qkv, rows(k_w, s_qkv), k_b, i, "k")
+        v = linear(x_qkv, rows(value_w, s_qkv), value_b, i, "v")
+        context = g.op(
+            "Attention", [q, k, v, "", "", "", kv_lengths], f"{n}_ctx", q_num_heads=heads, kv_num_heads=heads
+        )
+        exposed.append(context)
+        o_w, o_b = get(f"{p}.attention.output.dense.weight").T, get(f"{p}.attention.output.dense.bias")
+        attn = linear(context, rows(o_w, s_ctx), o_b, i, "attn_out")
         x = layer_norm(g.op("Add", [attn, x], f"{n}_attn_res"), f"{p}.attention.output.LayerNorm", f"{n}_attn_ln")
+        exposed.append(x)
 
-        # Feed-forward with exact (erf) GELU: x * 0.5 * (1 + erf(x / sqrt 2)).
-        h = linear(x, f"{p}.intermediate.dense", i, "ffn_in")
-        erf = g.op("Erf", [g.op("Div", [h, sqrt2], f"{n}_gelu_div")], f"{n}_gelu_erf")
-        gelu = g.op("Mul", [h, g.op("Add", [erf, one], f"{n}_gelu_add")], f"{n}_gelu_mul")
-        gelu = g.op("Mul", [gelu, half], f"{n}_gelu")
-        ffn = linear(gelu, f"{p}.output.dense", i, "ffn_out")
-        x = layer_norm(g.op("Add", [ffn, x], f"{n}_ffn_res"), f"{p}.output.LayerNorm", f"{n}_out")
+        # Feed-forward; outlier channels (if any) on their own fp32 path.
+        w_in, b_in = get(f"{p}.intermediate.dense.weight").T, get(f"{p}.intermediate.dense.bias")
+        w_out = get(f"{p}.output.dense.weight").T
+        outliers = np.asarray(prep.fp32_ffn_channels.get(i, ()), dtype=np.int64)
+        fp32_part = None
+        if outliers.size:
+            h_fp32 = linear(x, w_in[:, outliers], b_in[outliers], i, "ffn_in_fp32")
+            fp32_part = g.op(
+                "MatMul",
+                [gelu(h_fp32, f"{n}_gelu_fp32"), g.const(f"l{i}_ffn_out_fp32.weight", w_out[outliers])],
+                linear_node_name(i, "ffn_out_fp32"),
+            )
+            keep = np.setdiff1d(np.arange(w_in.shape[1]), outliers)
+            w_in, b_in, w_out = w_in[:, keep], b_in[keep], w_out[keep]
+        else:
+            keep = np.arange(w_in.shape[1])
+        x_in, s_in = smoothed(x, i, "ffn_in")
+        h = gelu(linear(x_in, rows(w_in, s_in), b_in, i, "ffn_in"), f"{n}_gelu")
+        exposed.append(h)
+        h, s_out = smoothed(h, i, "ffn_out", keep)
+        ffn = linear(h, rows(w_out, s_out), get(f"{p}.output.dense.bias"), i, "ffn_out")
+        residual = g.op("Add", [ffn, x], f"{n}_ffn_res")
+        if fp32_part is not None:
+            residual = g.op("Add", [residual, fp32_part], f"{n}_ffn_res_fp32")
+        x = layer_norm(residual, f"{p}.output.LayerNorm", f"{n}_out")
 
     # Mean pooling over real tokens, then x / max(||x||, 1e-12), as sentence-transformers does.
     mask_float = g.op("Cast", [ATTENTION_MASK], "mask_float", to=TensorProto.FLOAT)
@@ -160,10 +302,13 @@ def build_embedding_graph(weights: Mapping[str, np.ndarray], config: BertConfig)
     count = g.op("ReduceSum", [mask_float, g.ints([1])], "pool_count", keepdims=1)
     count = g.op("Max", [count, g.scalar(1e-9)], "pool_count_clamped")
     mean = g.op("Div", [summed, count], "pool_mean")
-    norm = g.op("ReduceL2", [mean], "pool_norm", axes=[1], keepdims=1)  # axes input only from opset 18
+    norm = g.op("ReduceL2", [mean, g.ints([1])], "pool_norm", keepdims=1)
     norm = g.op("Max", [norm, g.scalar(1e-12)], "pool_norm_clamped")
     g.op("Div", [mean, norm], OUTPUT)
 
+    outputs = [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, ["batch", hidden])]
+    if expose_linear_inputs:
+        outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in exposed]
     graph = helper.make_graph(
         g.nodes,
         "sentence_embedding",
@@ -171,7 +316,7 @@ def build_embedding_graph(weights: Mapping[str, np.ndarray], config: BertConfig)
             helper.make_tensor_value_info(INPUT_IDS, TensorProto.INT64, ["batch", "sequence"]),
             helper.make_tensor_value_info(ATTENTION_MASK, TensorProto.INT64, ["batch", "sequence"]),
         ],
-        outputs=[helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, ["batch", hidden])],
+        outputs=outputs,
         initializer=g.initializers,
     )
     model = helper.make_model(
