@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from workers.config import default_data_dir  # noqa: E402
+from workers.config import WorkerConfig, default_data_dir  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.model_store import prepare_models  # noqa: E402
 from workers.tokenization import load_tokenizer  # noqa: E402
@@ -105,7 +105,8 @@ def length_batches(ids: list[list[int]], max_tokens: int, max_size: int) -> list
 
 
 def raw_session(name: str, engine: Engine, ids: list[list[int]], batched: bool) -> Result:
-    batches = length_batches(ids, 4096, 64) if batched else [[seq] for seq in ids]
+    defaults = WorkerConfig()
+    batches = length_batches(ids, defaults.max_batch_tokens, defaults.max_batch_size) if batched else [[s] for s in ids]
     engine.embed(batches[0])  # warm
     start = time.perf_counter()
     for batch in batches:

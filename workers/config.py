@@ -36,7 +36,9 @@ class WorkerConfig:
     # Cores the worker is allotted; cpu_utilization is reported as a fraction of it.
     cpus: float = 1.0
     # Micro-batching: padded tokens and items per batch, and the cap of the adaptive window.
-    max_batch_tokens: int = 4096
+    # Small batches win on one core: int8 mixed-length throughput measured 8.5k tokens/s at
+    # 256-512 padded tokens per batch, 7.3k at 2048, 5.9k at 4096 (cache), 7.3k unbatched.
+    max_batch_tokens: int = 512
     max_batch_size: int = 64
     max_batch_wait_ms: float = 5.0
     # Request limits.
