@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import logging.config
 import signal
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import uvicorn
 from pydantic import ValidationError
+
+from inferlb.runtime.http import EmbeddedServer
+from inferlb.runtime.logs import configure_json_logging
 
 from .admin import create_admin_app
 from .config import ControlPlaneConfig, load_config
@@ -24,35 +26,6 @@ from .scraper import Scraper, ScraperConfig
 from .xds import SnapshotCache, serve_xds, stop_xds
 
 log = logging.getLogger("inferlb.control_plane")
-
-
-def configure_logging(level: str) -> None:
-    """JSON lines on stderr for every logger, uvicorn's included."""
-    logging.config.dictConfig({
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {"json": {
-            "()": "pythonjsonlogger.json.JsonFormatter",
-            "fmt": "{asctime}{levelname}{name}{message}",
-            "style": "{",
-            "rename_fields": {"asctime": "ts", "levelname": "level", "name": "logger", "message": "msg"},
-            "static_fields": {"component": "control_plane"},
-        }},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}},
-        "root": {"handlers": ["stderr"], "level": level.upper()},
-        "loggers": {
-            **{name: {"handlers": [], "propagate": True} for name in ("uvicorn", "uvicorn.error", "uvicorn.access")},
-            "httpx": {"level": "WARNING"},  # one line per scrape is noise
-        },
-    })
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """uvicorn inside our loop: the process's signal handling stays ours."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 async def run(config: ControlPlaneConfig) -> None:
@@ -69,7 +42,7 @@ async def run(config: ControlPlaneConfig) -> None:
                       unhealthy_after=config.unhealthy_after),
         observer=metrics,
     )
-    admin = _EmbeddedServer(uvicorn.Config(
+    admin = EmbeddedServer(uvicorn.Config(
         create_admin_app(controller, metrics), host=config.admin_address, port=config.admin_port,
         log_config=None, access_log=False, lifespan="off",
     ))
@@ -128,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValidationError, ValueError, OSError) as exc:
         print(f"python -m control_plane: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
+    configure_json_logging("control_plane", config.log_level)
     asyncio.run(run(config))
     return 0
 

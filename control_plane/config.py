@@ -7,18 +7,17 @@ at startup with the field's name, never half-applied.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import (
     BaseSettings,
-    InitSettingsSource,
     NoDecode,
-    PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+from inferlb.runtime.settings import load_layered
 
 from .model import DataPlaneSettings, ExtProcSettings
 
@@ -112,24 +111,5 @@ class ControlPlaneConfig(BaseSettings):
 
 
 def load_config(config_file: Path | None = None, overrides: Mapping[str, Any] | None = None) -> ControlPlaneConfig:
-    """Merge the sources; raises pydantic's ValidationError (or OSError) saying what is wrong."""
-    table: dict[str, Any] = {}
-    if config_file is not None:
-        with open(config_file, "rb") as fh:
-            table = tomllib.load(fh).get("control_plane", {})
-    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
-
-    class _Merged(ControlPlaneConfig):
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return init_settings, env_settings, InitSettingsSource(settings_cls, init_kwargs=table)
-
-    merged = _Merged(**flags)
-    return ControlPlaneConfig.model_construct(**{name: getattr(merged, name) for name in ControlPlaneConfig.model_fields})
+    """Merge defaults < the file's [control_plane] table < environment < flags; pydantic's ValidationError says what is wrong."""
+    return load_layered(ControlPlaneConfig, "control_plane", config_file, overrides)

@@ -1,5 +1,7 @@
-"""inferlb's ext_proc service: count tokens, predict cost per endpoint, pick where a request finishes first.
+"""inferlb's ext_proc service (``python -m ext_proc``): count each request's tokens,
+predict its cost on every endpoint, and pick the one where it finishes first.
 
-Not built yet: it arrives with the ext_proc issue. It will never import
-``workers`` or ``control_plane``; the three services talk only over the wire.
+An Envoy external processor on 127.0.0.1:9002 and an xDS (EDS) client of the
+control plane. It never imports ``workers`` or ``control_plane``; the three
+services talk only over the wire.
 """

@@ -438,3 +438,52 @@ class BackgroundLoad:
         self.stop_event.set()
         for thread in self._threads:
             thread.join(60)
+
+
+# --- ext_proc ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ExtProc:
+    proc: Proc
+    port: int
+    metrics_port: int
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        with http() as client:
+            response = client.get(f"{self.metrics_url}/metrics")
+            response.raise_for_status()
+            return prometheus_samples(response.text)
+
+    def outstanding(self) -> float:
+        """Requests this ext_proc has in flight, all endpoints (``inferlb_ext_proc_outstanding_requests_total``)."""
+        return sample(self.metrics(), "inferlb_ext_proc_outstanding_requests_total") or 0.0
+
+
+@contextmanager
+def running_ext_proc(
+    log_dir: Path,
+    *,
+    xds_port: int,
+    port: int | None = None,
+    metrics_port: int | None = None,
+    node_id: str = "ext-proc-test",
+    xds_mode: str = "delta",
+    env: Mapping[str, str] | None = None,
+    timeout: float = 30,
+) -> Iterator[ExtProc]:
+    """``python -m ext_proc`` on free ports, ADS to 127.0.0.1:``xds_port``; ready when ``/readyz`` says 200
+    (its first EDS view arrived). Pass ``port`` to take the ext_proc port the control plane's LDS names."""
+    port = port or free_port()
+    metrics_port = metrics_port or free_port()
+    argv = [sys.executable, "-m", "ext_proc", "--port", str(port), "--metrics-port", str(metrics_port),
+            "--xds-port", str(xds_port), "--xds-mode", xds_mode, "--node-id", node_id]
+    proc = launch(f"ext-proc-{node_id}", argv, log_dir, env)
+    with supervised(proc, stop_timeout=10):
+        ext_proc = ExtProc(proc, port, metrics_port)
+        wait_for(lambda: _http_ok(f"{ext_proc.metrics_url}/readyz"), timeout, "ext_proc to become ready", [proc])
+        yield ext_proc

@@ -11,7 +11,6 @@ from control_plane.policy import (
     CapacityParams,
     CapacityWeightPolicy,
     EndpointView,
-    EqualWeightPolicy,
     FleetView,
     WeightPolicy,
     builtin_weight_policies,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np

@@ -1,0 +1,129 @@
+"""``python -m ext_proc``: the ExternalProcessor gRPC service, its xDS client and its metrics in one process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import logging.config
+import signal
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import uvicorn
+from pydantic import ValidationError
+
+from inferlb.runtime.http import EmbeddedServer
+from inferlb.runtime.logs import configure_json_logging
+
+from .config import ExtProcConfig, load_config
+from .metrics import ExtProcMetrics, LiveState, create_http_app
+from .policies import builtin_pick_policies, make_pick_policy
+from .server import ExtProcServicer, HealthReporter, ServiceSettings, serve_grpc
+from .tokens import TokenCounter, packaged_tokenizer_path
+from .xds_client import PickPolicySpec, XdsClient, XdsClientSettings
+
+log = logging.getLogger("inferlb.ext_proc")
+
+# Streams in flight get this long to finish on SIGTERM (Envoy fails open on the rest).
+SHUTDOWN_GRACE_S = 5.0
+
+
+async def run(config: ExtProcConfig) -> None:
+    counter = await asyncio.to_thread(TokenCounter.from_package, inline_body_bytes=config.inline_count_bytes)
+    holder: list[ExtProcServicer] = []
+    metrics = ExtProcMetrics(lambda: holder[0].live_state() if holder else LiveState())
+    xds = XdsClient(XdsClientSettings(
+        target=config.xds_target, node_id=config.node_id, node_cluster=config.node_cluster,
+        cluster=config.workers_cluster, delta=config.xds_mode == "delta",
+        backoff_initial_s=config.reconnect_initial_s, backoff_max_s=config.reconnect_max_s,
+    ), observer=metrics)
+    servicer = ExtProcServicer.create(
+        ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
+                        response_headers=config.response_headers),
+        xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params))
+    holder.append(servicer)
+    health = HealthReporter(xds)
+    grpc_server = await serve_grpc(servicer, health, config.grpc_target, config.grpc_max_message_bytes)
+    xds.start()
+
+    def not_ready() -> str | None:
+        return None if xds.view is not None else f"no EDS from the control plane at {config.xds_target} yet"
+
+    tasks: list[asyncio.Task[object]] = []
+    http = None
+    if config.metrics_port:
+        http = EmbeddedServer(uvicorn.Config(
+            create_http_app(metrics, not_ready), host=config.metrics_address, port=config.metrics_port,
+            log_config=None, access_log=False, lifespan="off",
+        ))
+        tasks.append(asyncio.create_task(http.serve(), name="metrics-http"))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("ext_proc started", extra={
+        "grpc": config.grpc_target, "metrics": f"{config.metrics_address}:{config.metrics_port}",
+        "xds": config.xds_target, "xds_mode": config.xds_mode, "node_id": config.node_id,
+        "node_cluster": config.node_cluster, "pick_policy": config.pick_policy,
+    })
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        if task in tasks and task.exception() is not None:
+            log.error("component failed", extra={"task": task.get_name(), "error": repr(task.exception())})
+    log.info("stopping")
+    await health.stop()  # NOT_SERVING first
+    await grpc_server.stop(SHUTDOWN_GRACE_S)
+    await xds.stop()
+    if http is not None:
+        http.should_exit = True
+    stopper.cancel()
+    await asyncio.gather(stopper, *tasks, return_exceptions=True)
+    log.info("stopped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    policies = ", ".join(f"{name} ({spec.summary})" for name, spec in builtin_pick_policies().items())
+    p = argparse.ArgumentParser(
+        prog="python -m ext_proc",
+        description=(
+            "inferlb's ext_proc service: Envoy's external processor that counts each request's tokens, "
+            "predicts its cost on every worker and picks where it finishes first (Endpoint Picker Protocol: "
+            "x-gateway-destination-endpoint header and envoy.lb metadata). It follows the workers over ADS "
+            "(EDS) from the control plane. Settings: --config FILE ([ext_proc] table), then "
+            "INFERLB_EXT_PROC_<NAME> environment variables, then these flags."
+        ),
+        epilog=f"Pick policies: {policies}. The control plane's EDS may switch it at run time.",
+    )
+    p.add_argument("--config", type=Path, help="TOML file with an [ext_proc] table")
+    p.add_argument("--port", type=int, help="ExternalProcessor + grpc.health.v1 port (default 9002)")
+    p.add_argument("--metrics-port", type=int, help="HTTP port for /metrics, /healthz, /readyz (default 9090; 0: off)")
+    p.add_argument("--xds-address", help="control plane ADS address (default 127.0.0.1)")
+    p.add_argument("--xds-port", type=int, help="control plane ADS port (default 18000)")
+    p.add_argument("--xds-mode", choices=["delta", "sotw"], help="xDS variant (default delta)")
+    p.add_argument("--node-id", help="xDS node id (default ext-proc-<hostname>-<pid>)")
+    p.add_argument("--node-cluster", help="xDS node cluster (default inferlb-ext-proc: the rich EDS)")
+    p.add_argument("--pick-policy", help="policy until EDS names one (default least_completion_time)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        config = load_config(args.config, overrides)
+        make_pick_policy(config.pick_policy, config.pick_params)  # refuse a bad policy up front
+        packaged_tokenizer_path()  # and a missing model package (tokens are counted with its tokenizer)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"python -m ext_proc: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    configure_json_logging("ext_proc", config.log_level)
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

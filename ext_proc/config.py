@@ -1,0 +1,89 @@
+"""ext_proc settings: defaults < the config file's ``[ext_proc]`` table
+< ``INFERLB_EXT_PROC_*`` environment variables < command-line flags.
+
+pydantic-settings merges and validates, so a bad value is refused at start-up
+with the field's name, never half-applied. The defaults are the contract table
+of DESIGN.md (gRPC on 127.0.0.1:9002, metrics on :9090, ADS at :18000).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    SettingsConfigDict,
+)
+
+from inferlb.runtime.settings import load_layered
+
+MIB = 1024 * 1024
+
+
+def default_node_id() -> str:
+    """Unique per process, readable in the control plane's ``/v1/xds/clients``."""
+    return f"ext-proc-{socket.gethostname()}-{os.getpid()}"
+
+
+class ExtProcConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="INFERLB_EXT_PROC_", extra="forbid")
+
+    # The ExternalProcessor gRPC service (and grpc.health.v1 on the same port).
+    address: str = "127.0.0.1"
+    port: int = Field(9002, ge=1, le=65535)
+    # Prometheus /metrics, /healthz, /readyz.
+    metrics_address: str = "127.0.0.1"
+    metrics_port: int = Field(9090, ge=0, le=65535)  # 0: no HTTP side
+    # The control plane's ADS server.
+    xds_address: str = "127.0.0.1"
+    xds_port: int = Field(18000, ge=1, le=65535)
+    xds_mode: Literal["delta", "sotw"] = "delta"
+    node_id: str = ""  # empty: ext-proc-<hostname>-<pid>
+    # The control plane serves the rich EDS (telemetry, pick policy) to this node cluster.
+    node_cluster: str = Field("inferlb-ext-proc", min_length=1)
+    workers_cluster: str = Field("workers", min_length=1)  # the ClusterLoadAssignment to follow
+    reconnect_initial_s: float = Field(0.25, gt=0)
+    reconnect_max_s: float = Field(5.0, gt=0)
+    # The Endpoint Picker Protocol.
+    pick_header: str = Field("x-gateway-destination-endpoint", min_length=1)
+    pick_metadata_namespace: str = Field("envoy.lb", min_length=1)
+    # Until the first EDS names one (and when EDS names none). Retry fallbacks are a policy param.
+    pick_policy: str = "least_completion_time"
+    pick_params: dict[str, Any] = Field(default_factory=dict)
+    # Envoy buffers up to this much body (its route's request_body_buffer_limit) and sends it
+    # in one gRPC message; gRPC must accept that message plus the headers around it.
+    max_body_bytes: int = Field(4 * MIB, ge=1024)
+    grpc_max_message_bytes: int = Field(8 * MIB, ge=64 * 1024)
+    # Bodies larger than this are tokenised in a thread, off the event loop.
+    inline_count_bytes: int = Field(16 * 1024, ge=0)
+    # Observability headers on the response to the client (x-inferlb-endpoint, ...).
+    response_headers: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ExtProcConfig":
+        if self.reconnect_max_s < self.reconnect_initial_s:
+            raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
+        if self.grpc_max_message_bytes < self.max_body_bytes + 64 * 1024:
+            raise ValueError("grpc_max_message_bytes must exceed max_body_bytes by at least 64 KiB "
+                             "(a buffered body arrives as one message with its framing)")
+        if not self.node_id:
+            self.node_id = default_node_id()
+        return self
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.address}:{self.port}"
+
+    @property
+    def xds_target(self) -> str:
+        return f"{self.xds_address}:{self.xds_port}"
+
+
+def load_config(config_file: Path | None = None, overrides: Mapping[str, Any] | None = None) -> ExtProcConfig:
+    """Merge defaults < the file's [ext_proc] table < environment < flags; pydantic's ValidationError says what is wrong."""
+    return load_layered(ExtProcConfig, "ext_proc", config_file, overrides)

@@ -1,0 +1,480 @@
+"""The ``envoy.service.ext_proc.v3.ExternalProcessor`` service: one gRPC stream per HTTP request.
+
+Envoy's filter (configured by the control plane) sends request headers, the
+whole request body (BUFFERED, up to the route's buffer limit, in one
+message) and the response headers. Per stream:
+
+1. **Request headers** -> CONTINUE, removing any pick header the client sent
+   (override_host honours whatever it finds, so only ext_proc may set it).
+   A request without a body (GET) is decided here.
+2. **Request body** -> count its tokens, rank the routable endpoints, and
+   answer with the pick: the ``x-gateway-destination-endpoint`` header and
+   the same value as dynamic metadata ``envoy.lb`` (primary first, then
+   retry fallbacks), plus ``x-inferlb-tokens`` and ``x-inferlb-predicted-ms``
+   for the worker. The request's predicted work counts as outstanding on the
+   primary until the response. No routable endpoint: an ImmediateResponse 503
+   in OpenAI's error shape.
+3. **Response headers** -> learn: feed the cost model from the worker's
+   ``server-timing``, ``x-inferlb-tokens`` and ORCA report (2xx only), and
+   release the outstanding work.
+
+Whatever ends the stream (the response, a client disconnect, an upstream
+reset, Envoy cancelling), the outstanding entry is released exactly once: a
+``finally`` calls the idempotent ``Outstanding.finish``. When ext_proc cannot
+decide (no view yet, a policy error) it lets the request through without a
+pick and Envoy's weighted fallback routes it: failing open is the contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+
+import grpc
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from .cost import CostModel, parse_orca, parse_server_timing, service_seconds
+from .metrics import EndpointLoad, ExtProcMetrics, LiveState
+from .model import RequestView
+from .outstanding import Outstanding
+from .picker import Decision, Picker
+from .policies import make_pick_policy
+from .tokens import TokenCounter
+from .xds_client import EndpointView, PickPolicySpec, ViewSource
+
+log = logging.getLogger("inferlb.ext_proc")
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+TOKENS_HEADER = "x-inferlb-tokens"
+PREDICTED_HEADER = "x-inferlb-predicted-ms"
+# On the response to the client, for observability: the primary pick and what ext_proc counted.
+ENDPOINT_RESPONSE_HEADER = "x-inferlb-endpoint"
+COUNTED_RESPONSE_HEADER = "x-inferlb-counted-tokens"
+SERVER_TIMING_HEADER = "server-timing"
+ORCA_HEADER = "endpoint-load-metrics"
+# Envoy's attribute for the host that actually served (after retries), if the filter asks for it.
+UPSTREAM_ATTRIBUTE = "upstream.address"
+EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+# Answers that never change: built once.
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_PASS_THROUGH = {
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()),
+}
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """What the servicer needs from the configuration."""
+
+    pick_header: str = "x-gateway-destination-endpoint"
+    pick_metadata_namespace: str = "envoy.lb"
+    response_headers: bool = True
+
+
+# --- building answers ----------------------------------------------------------------------------
+
+
+def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=_OVERWRITE)
+
+
+def _headers(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy 1.40 sends ``raw_value`` (bytes); older ones ``value``. Keys are lower case."""
+    return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in headers.headers.headers}
+
+
+def _add_headers(mutation: pb.HeaderMutation, headers: Sequence[tuple[str, str]]) -> None:
+    """Append OVERWRITE_IF_EXISTS_OR_ADD entries to ``mutation.set_headers``."""
+    add = mutation.set_headers.add
+    for key, value in headers:
+        option = add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = _OVERWRITE
+
+
+_LEARN_FROM = frozenset({":status", SERVER_TIMING_HEADER, ORCA_HEADER, TOKENS_HEADER})
+
+
+def _response_headers(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Only the response headers ext_proc learns from."""
+    return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value)
+            for h in headers.headers.headers if h.key in _LEARN_FROM}
+
+
+def error_body(message: str, code: str, type_: str = "server_error") -> bytes:
+    """OpenAI's error shape, as the workers answer."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+NO_ENDPOINT_BODY = error_body(
+    "No inference endpoint is ready: every worker is unhealthy, draining or not registered. "
+    "Retry later.", "no_endpoint_ready")
+
+
+def _no_endpoint_response() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+        headers=pb.HeaderMutation(set_headers=[_set("content-type", "application/json"), _set("retry-after", "1")]),
+        body=NO_ENDPOINT_BODY,
+        details="inferlb_no_endpoint_ready",
+    ))
+
+
+_NO_ENDPOINT = _no_endpoint_response()  # never changes: built once
+
+
+def _same_spec(a: PickPolicySpec, b: PickPolicySpec) -> bool:
+    return a.name == b.name and dict(a.params) == dict(b.params)  # EDS numbers are floats: 1.0 == 1
+
+
+# --- one stream ----------------------------------------------------------------------------------
+
+
+class _Stream:
+    """The state of one HTTP request's ext_proc stream."""
+
+    __slots__ = ("key", "headers", "body", "pick", "tokens", "predicted_s")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.headers: dict[str, str] = {}
+        self.body: list[bytes] = []
+        self.pick: str | None = None  # the primary endpoint id, once decided (and counted as outstanding)
+        self.tokens = 0
+        self.predicted_s = 0.0
+
+
+class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+    """The per-request path. Its collaborators are passed in, so tests can give it a static view."""
+
+    def __init__(self, settings: ServiceSettings, source: ViewSource, counter: TokenCounter, cost: CostModel,
+                 outstanding: Outstanding, picker: Picker, metrics: ExtProcMetrics,
+                 policy_factory: Callable[[str, Mapping[str, Any]], Any] = make_pick_policy) -> None:
+        self.settings = settings
+        self.source = source
+        self.counter = counter
+        self.cost = cost
+        self.outstanding = outstanding
+        self.picker = picker
+        self.metrics = metrics
+        self._policy_factory = policy_factory
+        self.policy_spec = PickPolicySpec(picker.policy.name)
+        self._rejected: PickPolicySpec | None = None  # the last spec EDS asked for that could not be built
+        self.active_streams = 0
+        self._keys = itertools.count(1)
+        self._strip = (settings.pick_header, TOKENS_HEADER, PREDICTED_HEADER)
+        source.add_listener(self.on_view)
+        if source.view is not None:
+            self.on_view(source.view)
+
+    @classmethod
+    def create(cls, settings: ServiceSettings, source: ViewSource, metrics: ExtProcMetrics,
+               counter: TokenCounter, default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
+               ) -> "ExtProcServicer":
+        """The servicer with a fresh cost model, outstanding ledger and picker (``default_policy`` until
+        EDS names one; a bad default raises ValueError here, at start-up)."""
+        cost, outstanding = CostModel(), Outstanding()
+        picker = Picker(make_pick_policy(default_policy.name, dict(default_policy.params)), cost, outstanding)
+        servicer = cls(settings, source, counter, cost, outstanding, picker, metrics)
+        servicer.policy_spec = default_policy
+        return servicer
+
+    # -- EDS updates ----------------------------------------------------------
+    def on_view(self, view: EndpointView) -> None:
+        """A new view: forget departed endpoints' fits; switch the pick policy if EDS names another one."""
+        ids = set(view.by_id)
+        self.cost.retain(ids)
+        self.metrics.forget_endpoints(ids)
+        spec = view.pick_policy
+        if spec is None or _same_spec(spec, self.policy_spec):
+            return
+        if self._rejected is not None and _same_spec(spec, self._rejected):
+            return  # already refused (and logged): EDS repeats it with every telemetry update
+        try:
+            policy = self._policy_factory(spec.name, dict(spec.params))
+        except Exception as exc:  # a bad spec must not take the service down: keep the current policy
+            self._rejected = spec
+            self.metrics.policy_switches.labels(result="rejected").inc()
+            log.error("pick policy rejected; keeping the current one",
+                      extra={"requested": spec.name, "params": dict(spec.params), "error": str(exc),
+                             "current": self.policy_spec.name})
+            return
+        self.picker.set_policy(policy)
+        self.metrics.policy_switches.labels(result="switched").inc()
+        log.info("pick policy switched", extra={"from": self.policy_spec.name, "to": spec.name,
+                                                "params": dict(spec.params)})
+        self.policy_spec = spec
+        self._rejected = None
+
+    # -- the RPC --------------------------------------------------------------
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        stream = _Stream(next(self._keys))
+        self.active_streams += 1
+        how = "early"  # the stream ended (cancelled, reset, closed) before the response headers
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("request")
+                if kind == "request_body":
+                    yield await self._on_request_body(stream, request.request_body)
+                elif kind == "request_headers":
+                    yield await self._on_request_headers(stream, request.request_headers)
+                elif kind == "response_headers":
+                    yield self._on_response_headers(stream, request)
+                else:
+                    yield _PASS_THROUGH.get(kind or "", _CONTINUE_HEADERS)
+        except Exception:
+            how = "error"
+            log.exception("ext_proc stream failed", extra={"endpoint": stream.pick})
+            raise
+        finally:  # also on CancelledError and GeneratorExit: Envoy reset or closed the stream
+            self.active_streams -= 1
+            if self.outstanding.finish(stream.key):  # idempotent: only a first release counts
+                self.metrics.count("released", how)
+
+    # -- request headers --------------------------------------------------
+    async def _on_request_headers(self, stream: _Stream, message: pb.HttpHeaders) -> pb.ProcessingResponse:
+        stream.headers = headers = _headers(message)
+        strip = [name for name in self._strip if name in headers]
+        for name in strip:
+            del headers[name]
+        if message.end_of_stream:  # no body is coming (GET): decide now
+            return await self._decide(stream, b"", headers_phase=True, strip=strip)
+        if not strip:
+            return _CONTINUE_HEADERS
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=pb.HeaderMutation(remove_headers=strip))))
+
+    # -- request body -----------------------------------------------------
+    async def _on_request_body(self, stream: _Stream, message: pb.HttpBody) -> pb.ProcessingResponse:
+        if not message.end_of_stream:  # BUFFERED sends one message; tolerate chunks anyway
+            stream.body.append(message.body)
+            return _CONTINUE_BODY
+        body = b"".join((*stream.body, message.body)) if stream.body else message.body
+        stream.body = []
+        return await self._decide(stream, body, headers_phase=False, strip=())
+
+    async def _decide(self, stream: _Stream, body: bytes, *, headers_phase: bool,
+                      strip: Sequence[str]) -> pb.ProcessingResponse:
+        started = time.perf_counter()
+        view = self.source.view
+        if view is None:
+            self.metrics.count("fallbacks", "no_view")
+            return self._without_pick(headers_phase, strip)
+        if not view.routable:
+            self.metrics.count("fallbacks", "no_endpoint")
+            return _NO_ENDPOINT
+        if self.counter.needs_thread(body):
+            request = await asyncio.to_thread(self.counter.count, body, stream.headers)
+            view = self.source.view or view  # it may have changed meanwhile: decide on the latest
+        else:
+            request = self.counter.count(body, stream.headers)
+        if request.estimated and body:
+            self.metrics.count("fallbacks", "estimated_tokens")
+            self.metrics.count("parse_failures", "request_body")
+        stream.tokens = request.tokens
+        try:
+            decision = self.picker.decide(request, view.endpoints)
+        except Exception:
+            log.exception("pick policy failed; letting Envoy's fallback route the request")
+            self.metrics.count("fallbacks", "policy_error")
+            return self._without_pick(headers_phase, strip, request)
+        if decision is None:
+            reason = "no_decision" if view.routable else "no_endpoint"
+            self.metrics.count("fallbacks", reason)
+            return self._without_pick(headers_phase, strip, request) if view.routable else _NO_ENDPOINT
+        return self._with_pick(stream, view, request, decision, headers_phase, started)
+
+    def _with_pick(self, stream: _Stream, view: EndpointView, request: RequestView, decision: Decision,
+                   headers_phase: bool, started: float) -> pb.ProcessingResponse:
+        pick_values = view.pick_values
+        value = ",".join([pick_values[e] for e in decision.ranked])
+        primary = decision.ranked[0]
+        stream.pick, stream.predicted_s = primary, decision.predicted_s
+        self.outstanding.begin(stream.key, primary, request.tokens, decision.predicted_s)
+        # Built in place (add() and attribute sets): about twice as fast as nested constructors.
+        response = pb.ProcessingResponse()
+        phase = response.request_headers if headers_phase else response.request_body
+        _add_headers(phase.response.header_mutation, (
+            (self.settings.pick_header, value),
+            (TOKENS_HEADER, str(request.tokens)),
+            (PREDICTED_HEADER, f"{decision.predicted_s * 1000:.3f}"),
+        ))
+        namespace = response.dynamic_metadata.fields[self.settings.pick_metadata_namespace].struct_value
+        namespace.fields[self.settings.pick_header].string_value = value
+        self.metrics.decision(decision.policy, primary, time.perf_counter() - started)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("decision", extra={"pick": value, "tokens": request.tokens, "estimated": request.estimated,
+                                         "predicted_ms": round(decision.predicted_s * 1000, 3),
+                                         "completion_ms": round(decision.completion_s * 1000, 3),
+                                         "policy": decision.policy, "evaluated": decision.evaluated})
+        return response
+
+    @staticmethod
+    def _without_pick(headers_phase: bool, strip: Sequence[str],
+                      request: RequestView | None = None) -> pb.ProcessingResponse:
+        """Fail open: no pick, Envoy's weighted least_request chooses. The client's pick stays removed."""
+        response = pb.ProcessingResponse()
+        mutation = (response.request_headers if headers_phase else response.request_body).response.header_mutation
+        if request is not None:
+            _add_headers(mutation, ((TOKENS_HEADER, str(request.tokens)),))
+        mutation.remove_headers.extend(strip)
+        return response
+
+    # -- response headers -------------------------------------------------
+    def _on_response_headers(self, stream: _Stream, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+        if stream.pick is None:
+            return _CONTINUE_RESPONSE_HEADERS
+        headers = _response_headers(request.response_headers)
+        served_by = self._upstream(request) or stream.pick
+        status = headers.get(":status", "")
+        self.metrics.count("responses", f"{status[:1]}xx" if status else "unknown")
+        if status.startswith("2"):
+            self._learn(stream, served_by, headers)
+        if self.outstanding.finish(stream.key):
+            self.metrics.count("released", "response")
+        if not self.settings.response_headers:
+            return _CONTINUE_RESPONSE_HEADERS
+        response = pb.ProcessingResponse()
+        _add_headers(response.response_headers.response.header_mutation, (
+            (ENDPOINT_RESPONSE_HEADER, served_by),
+            (COUNTED_RESPONSE_HEADER, str(stream.tokens)),
+            (PREDICTED_HEADER, f"{stream.predicted_s * 1000:.3f}"),
+        ))
+        return response
+
+    @staticmethod
+    def _upstream(request: pb.ProcessingRequest) -> str | None:
+        """The host that answered, if Envoy sends the ``upstream.address`` attribute (after a retry
+        it is not the primary pick)."""
+        attributes = request.attributes.get(EXT_PROC_ATTRIBUTES_KEY)
+        if attributes is None:
+            return None
+        value = attributes.fields.get(UPSTREAM_ATTRIBUTE)
+        return (value.string_value or None) if value is not None else None
+
+    def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str]) -> None:
+        """Feed the cost model (the worker's compute time) and the picker (its ORCA load report)."""
+        orca_text = headers.get(ORCA_HEADER)
+        if orca_text:
+            orca = parse_orca(orca_text)
+            if orca:
+                self.picker.note_load(endpoint, orca)
+            else:
+                self.metrics.count("parse_failures", "orca")
+        tokens = stream.tokens
+        raw_tokens = headers.get(TOKENS_HEADER)
+        if raw_tokens is not None:  # what the worker actually ran (after truncation)
+            try:
+                tokens = int(raw_tokens)
+            except ValueError:
+                self.metrics.count("parse_failures", "tokens_header")
+        timing_text = headers.get(SERVER_TIMING_HEADER)
+        if not timing_text:
+            return  # not a worker's answer (or a worker without timings): nothing to learn
+        seconds = service_seconds(parse_server_timing(timing_text))
+        if seconds is None:
+            self.metrics.count("parse_failures", "server_timing")
+            return
+        predicted = stream.predicted_s if endpoint == stream.pick else None
+        self.cost.observe(endpoint, tokens, seconds, predicted)
+
+    # -- metrics ----------------------------------------------------------
+    def live_state(self) -> LiveState:
+        view = self.source.view
+        outstanding = {e: EndpointLoad(load.requests, load.tokens, load.seconds)
+                       for e, load in self.outstanding.snapshot().items()}
+        if view is not None:
+            for endpoint in view.by_id:
+                outstanding.setdefault(endpoint, EndpointLoad())
+        mape = self.cost.mape()
+        return LiveState(
+            outstanding=outstanding,
+            mape=mape if math.isfinite(mape) else None,
+            mape_by_endpoint=self.cost.mape_by_endpoint(),
+            observations=self.cost.observations,
+            leaked=self.outstanding.leaked,
+            xds_connected=self.source.connected,
+            view_version=view.version if view is not None else None,
+            endpoints=len(view.endpoints) if view is not None else 0,
+            routable=len(view.routable) if view is not None else 0,
+            policy=self.policy_spec.name,
+            active_streams=self.active_streams,
+        )
+
+
+# --- the gRPC server -----------------------------------------------------------------------------
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Envoy PINGs the ext_proc connection (HTTP/2 keepalive) even when idle; gRPC's
+        # defaults would answer that with GOAWAY "too_many_pings".
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.http2.max_ping_strikes", 0),
+        # Fail loudly if the port is taken instead of silently sharing it.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class HealthReporter:
+    """grpc.health.v1: NOT_SERVING until the first EDS view, then SERVING; NOT_SERVING while stopping."""
+
+    def __init__(self, source: ViewSource) -> None:
+        self.servicer = health_aio.HealthServicer()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._serving = False
+        source.add_listener(self._on_view)
+
+    async def start(self, ready: bool) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING if ready
+                            else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._serving = ready
+
+    def _on_view(self, view: EndpointView) -> None:
+        if not self._serving:
+            self._serving = True
+            task = asyncio.get_running_loop().create_task(self._set_all(health_pb2.HealthCheckResponse.SERVING))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _set_all(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.servicer.set(service, status)
+
+    async def stop(self) -> None:
+        await self.servicer.enter_graceful_shutdown()
+
+
+async def serve_grpc(servicer: ExtProcServicer, health: HealthReporter, target: str,
+                     max_message_bytes: int) -> grpc.aio.Server:
+    server = grpc.aio.server(options=server_options(max_message_bytes))
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    if server.add_insecure_port(target) == 0:
+        raise OSError(f"cannot listen on {target}")
+    await server.start()
+    await health.start(ready=servicer.source.view is not None)
+    return server

@@ -1,0 +1,547 @@
+"""ext_proc's view of the fleet, kept live over ADS from the control plane.
+
+ext_proc is an xDS client like Envoy: it subscribes to EDS for the ``workers``
+ClusterLoadAssignment and nothing else. The control plane serves ext_proc's
+node cluster (``inferlb-ext-proc``) a rich variant of it: per endpoint,
+``filter_metadata["inferlb"]`` with ``draining``, ``health`` and the scraped
+telemetry; on the locality, ``{"pick_policy": {"name", "params"}}``.
+
+What the per-request path reads is one immutable :class:`EndpointView`,
+replaced as a whole on each accepted update (an attribute swap is atomic on
+the event loop): a decision never sees half an update. While the control
+plane is unreachable the last view stays in force; ext_proc keeps routing.
+
+Protocol choices:
+
+* Delta (incremental) by default: on a reconnect ext_proc declares the
+  version it holds in ``initial_resource_versions`` and the server resends
+  nothing if that is still current. State of the world is there for control
+  planes that only speak it.
+* A response that cannot be turned into a view is NACKed with the reason in
+  ``error_detail``, and the previous view is kept (as Envoy does).
+* Reconnects use full-jitter exponential backoff, bounded (0.25 s -> 5 s by
+  default), reset after a stream that delivered a good response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import grpc
+from envoy.config.core.v3 import base_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+
+from .model import EndpointInfo
+
+log = logging.getLogger("inferlb.ext_proc.xds")
+
+ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+METADATA_NAMESPACE = "inferlb"
+USER_AGENT = "inferlb-ext-proc"
+# Keys of the endpoint metadata that are state, not telemetry.
+_STATE_KEYS = frozenset({"id", "weight", "computed_weight", "pinned_weight", "draining", "health"})
+_ROUTABLE_STATUSES = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
+# Parse big ClusterLoadAssignments in a thread: the loop keeps answering Envoy meanwhile.
+_PARSE_INLINE_BYTES = 64 * 1024
+_REMOVED = "removed@"  # version prefix of the empty view that a removal leaves
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # 10,000 endpoints with telemetry
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+)
+
+
+# --- the view ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PickPolicySpec:
+    """The pick policy the control plane asks for (locality metadata ``inferlb.pick_policy``)."""
+
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EndpointView:
+    """Everything ext_proc knows of the fleet at one moment. Never mutated: replaced.
+
+    ``routable`` (healthy and not draining, in EDS order) and ``pick_values``
+    (endpoint id -> the ``ip:port`` text override_host matches) are derived
+    once here, not per request.
+    """
+
+    version: str
+    endpoints: tuple[EndpointInfo, ...]
+    pick_policy: PickPolicySpec | None = None
+    received_at: float = 0.0  # time.monotonic()
+    routable: tuple[EndpointInfo, ...] = field(init=False)
+    by_id: Mapping[str, EndpointInfo] = field(init=False)
+    pick_values: Mapping[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "routable", tuple(e for e in self.endpoints if e.routable))
+        object.__setattr__(self, "by_id", MappingProxyType({e.id: e for e in self.endpoints}))
+        object.__setattr__(self, "pick_values", MappingProxyType({e.id: pick_value(e) for e in self.endpoints}))
+
+
+def pick_value(endpoint: EndpointInfo) -> str:
+    """``ip:port`` as Envoy's override_host parses it (IPv6 in brackets)."""
+    if ":" in endpoint.address:
+        return f"[{endpoint.address}]:{endpoint.port}"
+    return f"{endpoint.address}:{endpoint.port}"
+
+
+def _shape(view: EndpointView) -> tuple[object, ...]:
+    """What makes an update worth an INFO line: who is there, who is routable, which policy."""
+    return tuple(e.id for e in view.endpoints), tuple(e.id for e in view.routable), view.pick_policy
+
+
+ViewListener = Callable[[EndpointView], None]
+
+
+class ViewSource(Protocol):
+    """Where the server gets its view: the xDS client in production, a static one in tests."""
+
+    @property
+    def view(self) -> EndpointView | None: ...
+
+    def add_listener(self, listener: ViewListener) -> None: ...
+
+    @property
+    def connected(self) -> bool: ...
+
+
+class _Listeners:
+    """Listeners called on the loop after each swap; one that raises is logged, never fatal."""
+
+    def __init__(self) -> None:
+        self._listeners: list[ViewListener] = []
+        self._first = asyncio.Event()
+
+    def add(self, listener: ViewListener) -> None:
+        self._listeners.append(listener)
+
+    def fire(self, view: EndpointView) -> None:
+        self._first.set()
+        for listener in self._listeners:
+            try:
+                listener(view)
+            except Exception:
+                log.exception("view listener failed")
+
+    async def wait_first(self) -> None:
+        await self._first.wait()
+
+
+class StaticViewSource:
+    """A view set by hand: for tests, and for running without a control plane."""
+
+    def __init__(self, view: EndpointView | None = None) -> None:
+        self._view: EndpointView | None = None
+        self._listeners = _Listeners()
+        if view is not None:
+            self.set(view)
+
+    @property
+    def view(self) -> EndpointView | None:
+        return self._view
+
+    @property
+    def connected(self) -> bool:
+        return self._view is not None
+
+    def add_listener(self, listener: ViewListener) -> None:
+        self._listeners.add(listener)
+
+    def set(self, view: EndpointView) -> None:
+        self._view = view
+        self._listeners.fire(view)
+
+    async def wait_ready(self, timeout: float | None = None) -> EndpointView:
+        await asyncio.wait_for(self._listeners.wait_first(), timeout)
+        assert self._view is not None
+        return self._view
+
+
+def static_view(endpoints: Sequence[EndpointInfo], pick_policy: PickPolicySpec | None = None,
+                version: str = "static") -> EndpointView:
+    return EndpointView(version, tuple(endpoints), pick_policy, time.monotonic())
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+class InvalidResource(ValueError):
+    """A response ext_proc cannot use; the message goes back to the control plane in the NACK."""
+
+
+class ForeignResource(InvalidResource):
+    """An assignment for another cluster: ignored, not NACKed."""
+
+
+def _value(value: struct_pb2.Value) -> Any:
+    kind = value.WhichOneof("kind")
+    if kind == "number_value":
+        return value.number_value
+    if kind == "string_value":
+        return value.string_value
+    if kind == "bool_value":
+        return value.bool_value
+    if kind == "struct_value":
+        return {k: _value(v) for k, v in value.struct_value.fields.items()}
+    if kind == "list_value":
+        return [_value(v) for v in value.list_value.values]
+    return None
+
+
+def _inferlb_metadata(metadata: base_pb2.Metadata) -> Mapping[str, struct_pb2.Value]:
+    struct = metadata.filter_metadata.get(METADATA_NAMESPACE)
+    return struct.fields if struct is not None else {}
+
+
+def _pick_policy(fields: Mapping[str, struct_pb2.Value]) -> PickPolicySpec | None:
+    raw = fields.get("pick_policy")
+    if raw is None:
+        return None
+    spec = _value(raw)
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidResource(f"locality metadata inferlb.pick_policy must be {{name, params}}, got {spec!r}")
+    params = spec.get("params") or {}
+    if not isinstance(params, dict):
+        raise InvalidResource(f"pick_policy.params must be an object, got {params!r}")
+    return PickPolicySpec(spec["name"], MappingProxyType(params))
+
+
+def _endpoint(lb: Any) -> EndpointInfo:
+    socket = lb.endpoint.address.socket_address
+    if not socket.address or socket.WhichOneof("port_specifier") != "port_value":
+        raise InvalidResource("an lb_endpoint has no socket address with a port_value")
+    if not 0 < socket.port_value < 65536:
+        raise InvalidResource(f"endpoint {socket.address}: port {socket.port_value} out of range")
+    try:
+        ipaddress.ip_address(socket.address)
+    except ValueError:
+        # override_host matches ip:port: a host name could never be picked.
+        raise InvalidResource(f"endpoint address {socket.address!r} is not an IP address") from None
+    fields = _inferlb_metadata(lb.metadata)
+    status = lb.health_status
+    draining = status == health_check_pb2.DRAINING
+    healthy = status in _ROUTABLE_STATUSES
+    if "draining" in fields:
+        draining = draining or fields["draining"].bool_value
+    if "health" in fields and fields["health"].string_value == "unhealthy":
+        healthy = False
+    telemetry = {k: v.number_value for k, v in fields.items()
+                 if k not in _STATE_KEYS and v.WhichOneof("kind") == "number_value"}
+    weight = lb.load_balancing_weight.value if lb.HasField("load_balancing_weight") else 1
+    return EndpointInfo(id=f"{socket.address}:{socket.port_value}", address=socket.address,
+                        port=socket.port_value, weight=weight, healthy=healthy, draining=draining,
+                        telemetry=MappingProxyType(telemetry))
+
+
+def parse_load_assignment(data: bytes, cluster: str, version: str) -> EndpointView:
+    """The view a serialised ClusterLoadAssignment describes; :class:`InvalidResource` if unusable."""
+    cla = endpoint_pb2.ClusterLoadAssignment()
+    try:
+        cla.ParseFromString(data)
+    except DecodeError as exc:
+        raise InvalidResource(f"ClusterLoadAssignment does not parse: {exc}") from None
+    if cla.cluster_name != cluster:
+        raise ForeignResource(f"ClusterLoadAssignment for {cla.cluster_name!r}, subscribed to {cluster!r}")
+    endpoints: list[EndpointInfo] = []
+    seen: set[str] = set()
+    spec: PickPolicySpec | None = None
+    for locality in cla.endpoints:
+        spec = _pick_policy(_inferlb_metadata(locality.metadata)) or spec
+        for lb in locality.lb_endpoints:
+            info = _endpoint(lb)
+            if info.id in seen:
+                raise InvalidResource(f"endpoint {info.id} is listed twice")
+            seen.add(info.id)
+            endpoints.append(info)
+    return EndpointView(version, tuple(endpoints), spec, time.monotonic())
+
+
+async def _parse(data: bytes, cluster: str, version: str) -> EndpointView:
+    if len(data) <= _PARSE_INLINE_BYTES:
+        return parse_load_assignment(data, cluster, version)
+    return await asyncio.to_thread(parse_load_assignment, data, cluster, version)
+
+
+# --- the client ----------------------------------------------------------------------------------
+
+
+class XdsObserver(Protocol):
+    """What the client reports (ext_proc's metrics implement it)."""
+
+    def xds_connected(self, connected: bool) -> None: ...
+    def xds_update(self, accepted: bool) -> None: ...
+
+
+class _NoObserver:
+    def xds_connected(self, connected: bool) -> None:
+        pass
+
+    def xds_update(self, accepted: bool) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class XdsClientSettings:
+    target: str = "127.0.0.1:18000"
+    node_id: str = "inferlb-ext-proc"
+    node_cluster: str = "inferlb-ext-proc"
+    cluster: str = "workers"
+    delta: bool = True
+    backoff_initial_s: float = 0.25
+    backoff_max_s: float = 5.0
+
+
+def backoff_delays(initial: float, maximum: float, rng: random.Random) -> Callable[[int], float]:
+    """Exponential backoff with equal jitter: attempt n waits uniform(cap/2, cap), cap = min(max, initial * 2**n).
+
+    The lower half keeps a flapping control plane from being hammered; the
+    jitter keeps many ext_procs from reconnecting in lockstep.
+    """
+    def delay(attempt: int) -> float:
+        cap = min(maximum, initial * (2 ** min(attempt, 30)))
+        return rng.uniform(cap / 2, cap)
+    return delay
+
+
+class XdsClient:
+    """EDS over ADS, reconnecting for ever; :attr:`view` is the latest accepted view."""
+
+    def __init__(self, settings: XdsClientSettings, observer: XdsObserver | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.settings = settings
+        self._observer = observer or _NoObserver()
+        self._delay = backoff_delays(settings.backoff_initial_s, settings.backoff_max_s, rng or random.Random())
+        self._view: EndpointView | None = None
+        self._connected = False
+        self._listeners = _Listeners()
+        self._task: asyncio.Task[None] | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._got_response = False  # the current stream delivered a response: reset the backoff
+        self._connected_at = 0.0  # time.monotonic() the current stream connected
+        self._node = base_pb2.Node(id=settings.node_id, cluster=settings.node_cluster,
+                                   user_agent_name=USER_AGENT)
+        self.accepted = 0  # responses ACKed
+        self.rejected = 0  # responses NACKed
+        self.last_error: str | None = None  # the last NACK's reason
+
+    # -- the view ------------------------------------------------------------
+    @property
+    def view(self) -> EndpointView | None:
+        return self._view
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    def add_listener(self, listener: ViewListener) -> None:
+        self._listeners.add(listener)
+
+    async def wait_ready(self, timeout: float | None = None) -> EndpointView:
+        """The first view (raises TimeoutError after ``timeout``)."""
+        await asyncio.wait_for(self._listeners.wait_first(), timeout)
+        assert self._view is not None
+        return self._view
+
+    # -- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._channel = grpc.aio.insecure_channel(self.settings.target, options=list(_CHANNEL_OPTIONS))
+            self._task = asyncio.create_task(self._run(), name="xds-client")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        self._set_connected(False)
+
+    async def __aenter__(self) -> "XdsClient":
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- the loop ------------------------------------------------------------
+    async def _run(self) -> None:
+        attempt = 0
+        mode = "delta" if self.settings.delta else "sotw"
+        while True:
+            self._got_response = False
+            self._connected_at = 0.0
+            reason = "stream ended"
+            try:
+                await (self._delta_stream() if self.settings.delta else self._sotw_stream())
+            except asyncio.CancelledError:
+                reason = "stopping"
+                raise
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:  # a bug here must not end the subscription
+                log.exception("xds stream failed")
+                reason = repr(exc)
+            finally:
+                if self._connected:
+                    (log.info if reason == "stopping" else log.warning)(
+                        "xds disconnected", extra={"target": self.settings.target, "mode": mode, "reason": reason})
+                self._set_connected(False)
+            # A stream that delivered something, or stayed up a while, was a success: start over.
+            lived = time.monotonic() - self._connected_at if self._connected_at else 0.0
+            attempt = 0 if self._got_response or lived >= self.settings.backoff_max_s else attempt + 1
+            delay = self._delay(attempt)
+            log.debug("xds reconnecting", extra={"in_s": round(delay, 3), "attempt": attempt, "reason": reason})
+            await asyncio.sleep(delay)
+
+    def _set_connected(self, connected: bool) -> None:
+        if connected != self._connected:
+            self._connected = connected
+            self._observer.xds_connected(connected)
+
+    def _on_connected(self, mode: str) -> None:
+        self._connected_at = time.monotonic()
+        self._set_connected(True)
+        log.info("xds connected", extra={"target": self.settings.target, "mode": mode,
+                                         "node_id": self.settings.node_id, "node_cluster": self.settings.node_cluster,
+                                         "have_version": self._view.version if self._view else None})
+
+    def _accept(self, view: EndpointView) -> None:
+        previous = self._view
+        self._view = view
+        self.accepted += 1
+        self._observer.xds_update(True)
+        # Telemetry changes every scrape: INFO only when membership, routability or the policy change.
+        changed = previous is None or _shape(previous) != _shape(view)
+        (log.info if changed else log.debug)("eds update", extra={
+            "version": view.version, "endpoints": len(view.endpoints), "routable": len(view.routable),
+            "pick_policy": view.pick_policy.name if view.pick_policy else None,
+            "previous_version": previous.version if previous else None,
+        })
+        self._listeners.fire(view)
+
+    def _reject(self, version: str, error: str) -> None:
+        self.rejected += 1
+        self.last_error = error
+        self._observer.xds_update(False)
+        log.warning("eds update rejected", extra={"version": version, "error": error,
+                                                  "kept_version": self._view.version if self._view else None})
+
+    @staticmethod
+    def _error(message: str) -> status_pb2.Status:
+        return status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=message)
+
+    async def _delta_stream(self) -> None:
+        """One Delta stream, until it ends."""
+        assert self._channel is not None
+        cluster = self.settings.cluster
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self._channel).DeltaAggregatedResources()
+        try:
+            first = discovery_pb2.DeltaDiscoveryRequest(node=self._node, type_url=ENDPOINT_TYPE,
+                                                        resource_names_subscribe=[cluster])
+            if self._view is not None and self._view.version and not self._view.version.startswith(_REMOVED):
+                # Resume: the server resends nothing if this is still current.
+                first.initial_resource_versions[cluster] = self._view.version
+            await call.write(first)
+            await call.wait_for_connection()
+            self._on_connected("delta")
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    return
+                self._got_response = True
+                ack = discovery_pb2.DeltaDiscoveryRequest(type_url=response.type_url, response_nonce=response.nonce)
+                error = await self._apply_delta(response)
+                if error is not None:
+                    ack.error_detail.CopyFrom(self._error(error))
+                await call.write(ack)
+        finally:
+            call.cancel()
+
+    async def _apply_delta(self, response: discovery_pb2.DeltaDiscoveryResponse) -> str | None:
+        """Apply a Delta response; the NACK reason, or None to ACK."""
+        cluster = self.settings.cluster
+        if response.type_url != ENDPOINT_TYPE:
+            return f"unexpected type {response.type_url}: ext_proc subscribes to EDS only"
+        for resource in response.resources:
+            if resource.name != cluster:
+                continue  # not ours (nothing to apply; the spec lets us ignore it)
+            try:
+                view = await _parse(resource.resource.value, cluster, resource.version)
+            except InvalidResource as exc:
+                self._reject(resource.version, str(exc))
+                return str(exc)
+            self._accept(view)
+        if cluster in response.removed_resources:
+            # The control plane has no such assignment: no endpoints (503s) rather than stale ones.
+            self._accept(EndpointView(f"{_REMOVED}{response.system_version_info}", (),
+                                      self._view.pick_policy if self._view else None, time.monotonic()))
+        return None
+
+    async def _sotw_stream(self) -> None:
+        """One state-of-the-world stream, until it ends."""
+        assert self._channel is not None
+        cluster = self.settings.cluster
+        call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self._channel).StreamAggregatedResources()
+        accepted_version = self._view.version if self._view is not None else ""
+        try:
+            await call.write(discovery_pb2.DiscoveryRequest(node=self._node, type_url=ENDPOINT_TYPE,
+                                                            resource_names=[cluster],
+                                                            version_info=accepted_version))
+            await call.wait_for_connection()
+            self._on_connected("sotw")
+            while True:
+                response = await call.read()
+                if response is grpc.aio.EOF:
+                    return
+                self._got_response = True
+                error = await self._apply_sotw(response)
+                request = discovery_pb2.DiscoveryRequest(type_url=response.type_url, resource_names=[cluster],
+                                                         response_nonce=response.nonce)
+                if error is None:
+                    accepted_version = response.version_info
+                else:
+                    request.error_detail.CopyFrom(self._error(error))
+                request.version_info = accepted_version
+                await call.write(request)
+        finally:
+            call.cancel()
+
+    async def _apply_sotw(self, response: discovery_pb2.DiscoveryResponse) -> str | None:
+        cluster = self.settings.cluster
+        if response.type_url != ENDPOINT_TYPE:
+            return f"unexpected type {response.type_url}: ext_proc subscribes to EDS only"
+        mine = [r for r in response.resources if r.type_url == ENDPOINT_TYPE]
+        if len(mine) != len(response.resources):
+            return "a resource in an EDS response is not a ClusterLoadAssignment"
+        for resource in mine:
+            try:
+                view = await _parse(resource.value, cluster, response.version_info)
+            except ForeignResource:
+                continue  # someone else's assignment: not an error for us
+            except InvalidResource as exc:
+                self._reject(response.version_info, str(exc))
+                return str(exc)
+            self._accept(view)
+        return None
