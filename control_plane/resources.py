@@ -51,7 +51,9 @@ from envoy.config.core.v3 import (
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
+from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.extensions.load_balancing_policies.common.v3 import common_pb2
@@ -68,6 +70,7 @@ from .model import MAX_WEIGHT, DataPlaneSettings, Endpoint, FleetState, Health, 
 METADATA_NAMESPACE = "inferlb"
 HTTP_PROTOCOL_OPTIONS_KEY = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+STRIP_PICK_FILTER = "envoy.filters.http.header_mutation"
 ROUTER_FILTER = "envoy.filters.http.router"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 OVERRIDE_HOST_POLICY = "envoy.load_balancing_policies.override_host"
@@ -174,6 +177,21 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
         ),
         # The pick changes the host, never the route: skip re-matching routes.
         route_cache_action=ext_proc_pb2.ExternalProcessor.RETAIN,
+        # The host that really answered (after retries): the cost model learns for the right one.
+        response_attributes=["upstream.address"],
+    )
+
+
+def build_strip_pick_filter(settings: DataPlaneSettings) -> header_mutation_pb2.HeaderMutation:
+    """Drop a client-sent pick header at the edge: only ext_proc chooses hosts.
+
+    override_host honours the header, so without this a client could pin any
+    host, and would keep doing so whenever ext_proc fails open.
+    """
+    return header_mutation_pb2.HeaderMutation(
+        mutations=header_mutation_pb2.Mutations(
+            request_mutations=[mutation_rules_pb2.HeaderMutation(remove=settings.pick_header)],
+        ),
     )
 
 
@@ -184,6 +202,7 @@ def build_listener(settings: DataPlaneSettings) -> listener_pb2.Listener:
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
         rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=settings.route_name),
         http_filters=[
+            hcm_pb2.HttpFilter(name=STRIP_PICK_FILTER, typed_config=_pack(build_strip_pick_filter(settings))),
             hcm_pb2.HttpFilter(name=EXT_PROC_FILTER, typed_config=_pack(build_ext_proc_filter(settings))),
             hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())),
         ],

@@ -29,6 +29,8 @@ class StackPorts:
     envoy_admin: int = 9901
     xds: int = 18000
     control_plane_admin: int = 8080
+    ext_proc: int = 9002
+    ext_proc_metrics: int = 9090
 
 
 def default_data_dir() -> Path:
@@ -68,7 +70,22 @@ def control_plane_component(
         ready_url=f"http://127.0.0.1:{ports.control_plane_admin}/readyz",
         log_path=data_dir / "logs" / "control-plane.log",
         env={**os.environ, "INFERLB_DATA_DIR": str(data_dir),
-             "INFERLB_CP_DATA_PLANE__LISTENER_PORT": str(ports.listener)},
+             "INFERLB_CP_DATA_PLANE__LISTENER_PORT": str(ports.listener),
+             "INFERLB_CP_DATA_PLANE__EXT_PROC_PORT": str(ports.ext_proc)},
+    )
+
+
+def ext_proc_component(data_dir: Path, ports: StackPorts, config: Path | None = None) -> Component:
+    argv = [sys.executable, "-m", "ext_proc", "--port", str(ports.ext_proc), "--metrics-port",
+            str(ports.ext_proc_metrics), "--xds-port", str(ports.xds)]
+    if config:
+        argv += ["--config", str(config)]
+    return Component(
+        name="ext_proc",
+        argv=argv,
+        ready_url=f"http://127.0.0.1:{ports.ext_proc_metrics}/readyz",
+        log_path=data_dir / "logs" / "ext_proc.log",
+        env={**os.environ, "INFERLB_DATA_DIR": str(data_dir)},
     )
 
 
@@ -104,6 +121,7 @@ class StackSupervisor(Supervisor):
             "\ninferlb is up.\n"
             f"  inference   http://127.0.0.1:{p.listener}/v1/embeddings   (Envoy)\n"
             f"  control     http://127.0.0.1:{p.control_plane_admin}/metrics   (control plane; xDS on :{p.xds})\n"
+            f"  ext_proc    http://127.0.0.1:{p.ext_proc_metrics}/metrics   (picks each request; gRPC :{p.ext_proc})\n"
             f"  envoy admin http://127.0.0.1:{p.envoy_admin}/clusters\n"
             f"  workers     {', '.join(self.worker_urls)}\n"
             f"  logs        {self.data_dir / 'logs'}\n\n"
@@ -117,10 +135,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     count = args.workers or os.cpu_count() or 1
     workers = worker_components(count, args.base_port, data_dir, args.precision, args.config)
     endpoints = [f"127.0.0.1:{port}" for port in range(args.base_port, args.base_port + count)]
-    ports = StackPorts(args.listener_port, args.envoy_admin_port, args.xds_port, args.admin_port)
+    ports = StackPorts(args.listener_port, args.envoy_admin_port, args.xds_port, args.admin_port,
+                       args.ext_proc_port, args.ext_proc_metrics_port)
     components = [*workers, control_plane_component(endpoints, data_dir, ports, args.config),
-                  envoy_component(data_dir, ports, args.delta)]
-    print(f"starting {count} worker(s), the control plane and Envoy; data dir {data_dir}", flush=True)
+                  ext_proc_component(data_dir, ports, args.config), envoy_component(data_dir, ports, args.delta)]
+    print(f"starting {count} worker(s), the control plane, ext_proc and Envoy; data dir {data_dir}", flush=True)
     worker_urls = [f"http://{e}" for e in endpoints]
     return asyncio.run(StackSupervisor(components, worker_urls, data_dir, ports).run())
 
@@ -135,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="run the local stack until Ctrl-C",
         description="Start the local stack in readiness order: the ONNX workers, the xDS control plane "
-        "(:18000, admin :8080) and Envoy (:10000, admin :9901). "
+        "(:18000, admin :8080), ext_proc (:9002, metrics :9090) and Envoy (:10000, admin :9901). "
         "Crashed components are restarted with backoff; Ctrl-C or SIGTERM stops everything cleanly.",
     )
     up.add_argument("--workers", type=int, help="number of workers (default: one per core)")
@@ -150,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--xds-port", type=int, default=defaults.xds, help="control plane xDS (default 18000)")
     up.add_argument("--admin-port", type=int, default=defaults.control_plane_admin,
                     help="control plane admin HTTP (default 8080)")
+    up.add_argument("--ext-proc-port", type=int, default=defaults.ext_proc, help="ext_proc gRPC (default 9002)")
+    up.add_argument("--ext-proc-metrics-port", type=int, default=defaults.ext_proc_metrics,
+                    help="ext_proc /metrics (default 9090)")
     up.set_defaults(func=cmd_up)
     return parser
 

@@ -11,9 +11,21 @@ import math
 from dataclasses import replace
 
 import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import config_source_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
+from envoy.extensions.filters.http.router.v3 import router_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import (
+    http_connection_manager_pb2 as hcm_pb2,
+)
+from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
+from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import json_format, struct_pb2
 
-from control_plane import type_urls
+from control_plane import resources, type_urls
 from control_plane.model import (
     MAX_WEIGHT,
     DataPlaneSettings,
@@ -24,7 +36,6 @@ from control_plane.model import (
     PickPolicySpec,
     Telemetry,
 )
-from control_plane import resources
 from control_plane.resources import (
     build_ext_proc_cluster,
     build_listener,
@@ -37,15 +48,6 @@ from control_plane.resources import (
     quantise,
     weights_of,
 )
-from envoy.config.cluster.v3 import cluster_pb2
-from envoy.config.core.v3 import config_source_pb2, health_check_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
-from envoy.extensions.filters.http.router.v3 import router_pb2
-from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
-from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
-from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
-from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
 TELEMETRY = Telemetry(
     observed_at=123.0, cpu_utilization=0.5, latency_mean_s=0.02, latency_p50_s=0.015, latency_p99_s=0.09,
@@ -84,9 +86,9 @@ def _hcm(settings: DataPlaneSettings) -> hcm_pb2.HttpConnectionManager:
 
 
 def _ext_proc(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalProcessor:
-    first = _hcm(settings).http_filters[0]
-    assert first.name == "envoy.filters.http.ext_proc"
-    return _unpack(first.typed_config, ext_proc_pb2.ExternalProcessor)
+    second = _hcm(settings).http_filters[1]
+    assert second.name == "envoy.filters.http.ext_proc"
+    return _unpack(second.typed_config, ext_proc_pb2.ExternalProcessor)
 
 
 def _override_host(cluster: cluster_pb2.Cluster) -> override_host_pb2.OverrideHost:
@@ -124,8 +126,11 @@ def test_listener_address_and_hcm() -> None:
     assert hcm.normalize_path.value is True
     assert hcm.request_timeout.ToTimedelta().total_seconds() == settings.request_timeout_s
     assert hcm.stream_idle_timeout.ToTimedelta().total_seconds() >= settings.request_timeout_s
-    assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
-    _unpack(hcm.http_filters[1].typed_config, router_pb2.Router)
+    assert [f.name for f in hcm.http_filters] == [
+        "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    strip = _unpack(hcm.http_filters[0].typed_config, header_mutation_pb2.HeaderMutation)
+    assert [m.remove for m in strip.mutations.request_mutations] == ["x-gateway-destination-endpoint"]
+    _unpack(hcm.http_filters[2].typed_config, router_pb2.Router)
 
 
 @pytest.mark.parametrize("fail_open", [True, False])
@@ -138,6 +143,7 @@ def test_ext_proc_filter(fail_open: bool) -> None:
     assert ext.failure_mode_allow is fail_open
     assert ext.message_timeout.ToMilliseconds() == 150
     assert ext.allow_mode_override is False
+    assert list(ext.response_attributes) == ["upstream.address"]
     mode = processing_mode_pb2.ProcessingMode
     assert ext.processing_mode == mode(
         request_header_mode=mode.SEND, request_body_mode=mode.BUFFERED, request_trailer_mode=mode.SKIP,

@@ -29,14 +29,15 @@ def _ready(port: int) -> bool:
 def test_up_serves_reference_embeddings_restarts_crashes_and_stops_cleanly(
     data_dir: Path, tmp_path: Path, reference: dict
 ) -> None:
-    port, listener, envoy_admin, xds, admin = (free_port() for _ in range(5))
+    port, listener, envoy_admin, xds, admin, ext_proc, ext_proc_metrics = (free_port() for _ in range(7))
     out_path = tmp_path / "up.out"
     env = {**os.environ, "INFERLB_DATA_DIR": str(data_dir)}
     with open(out_path, "wb") as out:
         up = subprocess.Popen(
             [sys.executable, "-m", "inferlb.cli", "up", "--workers", "1", "--base-port", str(port),
              "--data-dir", str(data_dir), "--listener-port", str(listener), "--envoy-admin-port", str(envoy_admin),
-             "--xds-port", str(xds), "--admin-port", str(admin)],
+             "--xds-port", str(xds), "--admin-port", str(admin), "--ext-proc-port", str(ext_proc),
+             "--ext-proc-metrics-port", str(ext_proc_metrics)],
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
     supervisor = psutil.Process(up.pid)
@@ -46,7 +47,10 @@ def test_up_serves_reference_embeddings_restarts_crashes_and_stops_cleanly(
 
         item = reference["items"][0]
         url = f"http://127.0.0.1:{listener}/v1/embeddings"
-        doc = httpx.post(url, json={"input": item["text"]}, timeout=60).json()  # through Envoy
+        response = httpx.post(url, json={"input": item["text"]}, timeout=60)  # Envoy -> ext_proc -> worker
+        doc = response.json()
+        assert response.headers["x-inferlb-endpoint"] == f"127.0.0.1:{port}"  # ext_proc picked it
+        assert response.headers["x-inferlb-counted-tokens"] == str(item["tokens_with_special"])
         got, want = np.array(doc["data"][0]["embedding"]), np.array(item["embedding"])
         assert float(got @ want / np.linalg.norm(got) / np.linalg.norm(want)) >= 0.99
 
@@ -55,7 +59,7 @@ def test_up_serves_reference_embeddings_restarts_crashes_and_stops_cleanly(
 
         (first,) = worker_children()
         children = supervisor.children()
-        assert len(children) == 3  # worker, control plane, Envoy
+        assert len(children) == 4  # worker, control plane, ext_proc, Envoy
         first.kill()
         wait_until(lambda: "CRASHED" in out_path.read_text(), 30, "the crash to be reported")
         wait_until(lambda: [c.pid for c in worker_children()] not in ([], [first.pid]) and _ready(port),
