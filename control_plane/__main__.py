@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import logging.config
 import signal
@@ -17,24 +18,54 @@ from pydantic import ValidationError
 from inferlb.runtime.http import EmbeddedServer
 from inferlb.runtime.logs import configure_json_logging
 
-from .admin import create_admin_app
+from . import pick_catalogue
+from .admin import AdminService, create_admin_app
+from .auth import AdminToken, TokenError, resolve_admin_token
 from .config import ControlPlaneConfig, load_config
-from .controller import Controller
+from .controller import Controller, initial_state
 from .metrics import ControlPlaneMetrics
-from .policy import make_weight_policy
+from .policy import WeightPolicy, make_weight_policy
 from .scraper import Scraper, ScraperConfig
+from .store import OperatorState, Store, StoreError, restore
 from .xds import SnapshotCache, serve_xds, stop_xds
 
 log = logging.getLogger("inferlb.control_plane")
 
 
-async def run(config: ControlPlaneConfig) -> None:
+def restored_policies(stored: OperatorState) -> tuple[WeightPolicy | None, OperatorState]:
+    """The stored weight policy, built, and ``stored`` without a pick policy that no longer validates.
+
+    A stored policy this version cannot build (renamed, a parameter gone) is logged as an error and
+    not applied (the config's is used); its row stays in the database until the next PUT /v1/policy.
+    """
+    weight = None
+    if stored.weight_policy is not None:
+        try:
+            weight = make_weight_policy(stored.weight_policy.name, stored.weight_policy.params)
+            log.info("weight policy restored from the store (it beats the config's)",
+                     extra={"weight_policy": weight.name})
+        except (ValueError, TypeError) as exc:
+            log.error("stored weight policy not applied: using the config's", extra={"error": str(exc)})
+    if stored.pick_policy is not None:
+        try:
+            pick_catalogue.validate_pick_params(stored.pick_policy.name, stored.pick_policy.params)
+        except ValueError as exc:  # UnknownPickPolicy and pydantic's ValidationError
+            log.error("stored pick policy not applied: using the default", extra={"error": str(exc)})
+            stored = dataclasses.replace(stored, pick_policy=None)
+    return weight, stored
+
+
+async def run(config: ControlPlaneConfig, store: Store | None = None, stored: OperatorState | None = None,
+              token: AdminToken | None = None) -> None:
     cache = SnapshotCache()
     controller_ref: list[Controller] = []
     metrics = ControlPlaneMetrics(lambda: controller_ref[0].state)
-    controller = Controller(config, cache, metrics)
+    # The operator's state is in the initial state: the first push already carries pins, drains, policy.
+    weight_policy, stored = restored_policies(stored or OperatorState())
+    controller = Controller(config, cache, metrics, restore(initial_state(config), stored), weight_policy)
     controller_ref.append(controller)
     await controller.start()
+    service = AdminService(controller, store, deregistration_drain_s=config.deregistration_drain_s)
 
     xds = await serve_xds(cache, f"{config.xds_address}:{config.xds_port}", metrics)
     scraper = Scraper(
@@ -43,7 +74,8 @@ async def run(config: ControlPlaneConfig) -> None:
         observer=metrics,
     )
     admin = EmbeddedServer(uvicorn.Config(
-        create_admin_app(controller, metrics), host=config.admin_address, port=config.admin_port,
+        create_admin_app(controller, metrics, service, token, auth_reads=config.admin_auth_reads),
+        host=config.admin_address, port=config.admin_port,
         log_config=None, access_log=False, lifespan="off",
     ))
     tasks = [
@@ -57,7 +89,10 @@ async def run(config: ControlPlaneConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("control plane started", extra={
         "xds": f"{config.xds_address}:{config.xds_port}", "admin": f"{config.admin_address}:{config.admin_port}",
-        "endpoints": config.endpoints, "weight_policy": config.weight_policy,
+        "endpoints": config.endpoints, "weight_policy": controller.policy.name,
+        "pick_policy": controller.state.pick_policy.name, "restored_endpoints": len(stored.endpoints),
+        "restored_overrides": len(stored.overrides),
+        "state_db": str(store.path) if store is not None else None,
     })
     done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
     for task in done:
@@ -66,6 +101,7 @@ async def run(config: ControlPlaneConfig) -> None:
     log.info("stopping")
     admin.should_exit = True
     await stop_xds(xds, cache, grace=2.0)
+    await service.stop()
     await controller.stop()
     tasks[0].cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -85,9 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--endpoint", dest="endpoints", action="append", metavar="HOST:PORT",
                    help="a static worker endpoint (repeat for more)")
     p.add_argument("--xds-port", type=int, help="ADS gRPC port (default 18000)")
-    p.add_argument("--admin-port", type=int, help="admin HTTP port: /metrics, /healthz, /readyz (default 8080)")
+    p.add_argument("--admin-port", type=int, help="admin HTTP port: the admin REST API /v1, /docs, /metrics, /healthz, /readyz (default 8080)")
     p.add_argument("--scrape-interval", dest="scrape_interval_s", type=float, help="seconds (default 0.5)")
     p.add_argument("--weight-policy", help="capacity (default) or equal")
+    p.add_argument("--data-dir", type=Path,
+                   help="operator state (control-plane.db) and the admin token (default $INFERLB_DATA_DIR "
+                        "or ./.inferlb)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -102,7 +141,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m control_plane: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     configure_json_logging("control_plane", config.log_level)
-    asyncio.run(run(config))
+    try:
+        store = Store.open(config.data_dir)
+    except StoreError as exc:
+        print(f"python -m control_plane: cannot use the state database: {exc}", file=sys.stderr)
+        return 2
+    try:
+        stored = store.load()
+        secret = config.admin_token.get_secret_value() if config.admin_token is not None else None
+        token = resolve_admin_token(secret, config.data_dir)
+    except (StoreError, TokenError) as exc:
+        store.close()
+        print(f"python -m control_plane: {exc}", file=sys.stderr)
+        return 2
+    log.info("admin API token", extra={"token_location": token.where(), "token_source": token.source})
+    try:
+        asyncio.run(run(config, store, stored, token))
+    finally:
+        store.close()
     return 0
 
 

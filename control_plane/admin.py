@@ -1,34 +1,576 @@
-"""The control plane's HTTP side on 127.0.0.1:8080 (FastAPI): probes and metrics.
+"""The control plane's HTTP side on 127.0.0.1:8080 (FastAPI): the admin REST API
+(``/v1/...``), probes, metrics, ``/openapi.json`` and ``/docs``.
 
-The admin REST API (``/v1/...``) grows here with its issue; FastAPI gives it
-the OpenAPI schema and ``/docs``.
+Every operator action goes the same way: validate → check the token → commit
+to the store → ``controller.update`` (a pure state change) → the debounced
+publish pushes it to every Envoy and ext_proc, like any telemetry change
+(100 ms trailing, at most 1 s). Store first: an action that answered 2xx is
+on disk; one whose commit failed (503 ``store_unavailable``) changed nothing.
+Actions are serialised by one lock, so the store and the state never
+disagree about their order.
+
+Deregistration (``DELETE /v1/endpoints/{id}``) drains first: the endpoint is
+marked draining at once (Envoy stops sending it new requests; ext_proc stops
+picking it), and removed once the Envoys acknowledged the drain and a later
+scrape shows nothing in flight or queued there, or it is unhealthy, or after
+``deregistration_drain_s`` (default 10 s) at the latest. The registration
+is deleted from the store at once, so a restart during the drain does not
+bring it back. Meanwhile it shows ``removing: true``.
+
+Errors have one shape, ``{"error": {"status", "code", "message", "detail"}}``:
+400 (malformed JSON, unknown policy), 401 (token), 404 (no such endpoint or
+route), 405, 409 (conflicts: exists, static, being removed), 422 (the body
+fails its schema or the policy's parameter schema), 503 (the store could not
+commit).
 """
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Response
-from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+import asyncio
+import contextlib
+import dataclasses
+import ipaddress
+import logging
+import math
+import time
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any
 
+from fastapi import Depends, FastAPI, Path, Request, Response, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferlb.runtime import plugins
+
+from . import pick_catalogue
+from .api_models import (
+    ActivePolicy,
+    AvailablePolicies,
+    AvailablePolicy,
+    EndpointCreate,
+    EndpointList,
+    EndpointOut,
+    ErrorResponse,
+    NackOut,
+    PolicyState,
+    PolicyUpdate,
+    TelemetryOut,
+    TypeStatusOut,
+    WeightPin,
+    Weights,
+    XdsClientOut,
+    XdsClients,
+)
+from .auth import AdminToken, bearer, is_loopback
+from .config import parse_endpoint
 from .controller import Controller
 from .metrics import ControlPlaneMetrics
+from .model import Endpoint, FleetState, Health, PickPolicySpec, Telemetry
+from .policy import (
+    WeightPolicy,
+    builtin_weight_policies,
+    make_weight_policy,
+    weight_policy_params,
+)
+from .policy_loading import describe_weight_policies
+from .store import PolicyKind, Store, StoredPolicy, StoreError
+from .telemetry import is_stale
+from .type_urls import ENDPOINT, SHORT_NAMES
+
+log = logging.getLogger("inferlb.control_plane.admin")
+
+DEFAULT_DEREGISTRATION_DRAIN_S = 10.0
+# A drained endpoint counts as idle when its smoothed in-flight and queue figures are below this.
+IDLE_BELOW = 0.5
 
 
-def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics) -> FastAPI:
-    app = FastAPI(title="inferlb control plane", version="0.1.0")
+BEARER = HTTPBearer(auto_error=False, description="the admin token")
+Credentials = typing.Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]
+EndpointId = typing.Annotated[str, Path(description="host:port", examples=["127.0.0.1:8101"], max_length=300)]
 
-    @app.get("/healthz", summary="Liveness")
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, detail: Any = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.detail, self.headers = status, code, message, detail, headers
+
+
+def error_response(status: int, code: str, message: str, detail: Any = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"status": status, "code": code, "message": message, "detail": detail}}
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
+
+
+def _errors(status: int, *codes: str) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": ", ".join(codes)}}
+
+
+def _responses(*entries: dict[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
+    merged: dict[int | str, dict[str, Any]] = {}
+    for entry in entries:
+        merged.update(entry)
+    return merged
+
+
+E400 = _errors(400, "invalid_json", "unknown_policy")
+E401 = _errors(401, "unauthorized")
+E404 = _errors(404, "endpoint_not_found")
+E409 = _errors(409, "endpoint_exists", "static_endpoint", "endpoint_removing")
+E422 = _errors(422, "validation_error", "invalid_params")
+E503 = _errors(503, "store_unavailable")
+
+
+# --- views -------------------------------------------------------------------------------------------
+
+
+def _finite(value: float) -> float | None:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def _json_safe(value: Any) -> Any:
+    """Parameters as JSON: non-finite numbers become null, unknown objects their repr."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return _finite(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return repr(value)
+
+
+def telemetry_out(t: Telemetry, now: float, stale_after_s: float) -> TelemetryOut:
+    return TelemetryOut(
+        cpu_utilization=_finite(t.cpu_utilization), latency_mean_s=_finite(t.latency_mean_s),
+        latency_p50_s=_finite(t.latency_p50_s), latency_p99_s=_finite(t.latency_p99_s),
+        latency_per_token_s=_finite(t.latency_per_token_s), queue_wait_mean_s=_finite(t.queue_wait_mean_s),
+        queue_depth=_finite(t.queue_depth), inflight=_finite(t.inflight), rps=_finite(t.rps),
+        tokens_per_s=_finite(t.tokens_per_s), error_rate=_finite(t.error_rate),
+        age_s=max(0.0, round(now - t.observed_at, 3)), stale=is_stale(t, now, stale_after_s),
+    )
+
+
+def weight_policy_catalogue() -> list[AvailablePolicy]:
+    """Built-in and entry-point weight policies (``module:attribute`` ones can be named, not listed)."""
+    return [AvailablePolicy(name=d["name"], summary=d["summary"], params_schema=d["params_schema"])
+            for d in describe_weight_policies()]
+
+
+def pick_policy_catalogue() -> list[AvailablePolicy]:
+    """ext_proc's built-ins (from the control plane's own catalogue) plus entry-point pick policies."""
+    builtin = [AvailablePolicy(name=p.name, summary=p.summary, params_schema=p.schema())
+               for p in sorted(pick_catalogue.CATALOGUE.values(), key=lambda p: p.name)]
+    known = {p.name for p in builtin}
+    return builtin + [AvailablePolicy(name=d["name"], summary=d["summary"], params_schema=d["params_schema"])
+                      for d in plugins.describe_entry_points("pick") if d["name"] not in known]
+
+
+def _validation_detail(exc: ValidationError | RequestValidationError) -> list[dict[str, Any]]:
+    return [{"loc": [str(part) for part in err.get("loc", ())], "msg": str(err.get("msg", "")),
+             "type": str(err.get("type", ""))} for err in exc.errors()]
+
+
+def _replace_endpoint(endpoint_id: str, **changes: Any) -> Callable[[FleetState], FleetState]:
+    def change(state: FleetState) -> FleetState:
+        return dataclasses.replace(state, endpoints=tuple(
+            dataclasses.replace(e, **changes) if e.id == endpoint_id else e for e in state.endpoints))
+    return change
+
+
+# --- the service behind the routes ---------------------------------------------------------------------
+
+
+class AdminService:
+    """Operator actions on the controller's state, persisted in the store (see the module docstring)."""
+
+    def __init__(self, controller: Controller, store: Store | None = None, *,
+                 deregistration_drain_s: float = DEFAULT_DEREGISTRATION_DRAIN_S) -> None:
+        self.controller = controller
+        self.store = store
+        self.deregistration_drain_s = deregistration_drain_s
+        self._lock = asyncio.Lock()
+        self._removals: dict[str, asyncio.Task[None]] = {}
+
+    async def stop(self) -> None:
+        tasks = list(self._removals.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def endpoint_out(self, e: Endpoint, now: float | None = None) -> EndpointOut:
+        now = time.monotonic() if now is None else now
+        return EndpointOut(
+            id=e.id, address=e.address, port=e.port, source=e.source, health=e.health.value,
+            draining=e.draining, removing=e.id in self._removals, routable=e.routable,
+            weight=Weights(effective=e.effective_weight, computed=e.computed_weight, pinned=e.pinned_weight),
+            consecutive_scrape_failures=e.consecutive_scrape_failures,
+            telemetry=None if e.telemetry is None else telemetry_out(e.telemetry, now,
+                                                                     self.controller.config.stale_after_s),
+        )
+
+    def endpoints(self) -> EndpointList:
+        now = time.monotonic()
+        ordered = sorted(self.controller.state.endpoints, key=lambda e: e.id)
+        return EndpointList(endpoints=[self.endpoint_out(e, now) for e in ordered])
+
+    def find(self, endpoint_id: str) -> Endpoint:
+        """The endpoint by id (``host:port``; IPv6 hosts with or without brackets), or 404."""
+        state = self.controller.state
+        endpoint = state.endpoint(endpoint_id)
+        if endpoint is None:
+            with contextlib.suppress(ValueError):
+                host, port = parse_endpoint(endpoint_id)
+                endpoint = state.endpoint(f"{ipaddress.ip_address(host)}:{port}")
+        if endpoint is None:
+            raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
+        return endpoint
+
+    def get(self, endpoint_id: str) -> EndpointOut:
+        return self.endpoint_out(self.find(endpoint_id))
+
+    def _current(self, endpoint_id: str) -> EndpointOut:
+        endpoint = self.controller.state.endpoint(endpoint_id)
+        if endpoint is None:  # removed meanwhile (cannot happen under the lock, but never a 500)
+            raise ApiError(404, "endpoint_not_found", f"no endpoint {endpoint_id!r}")
+        return self.endpoint_out(endpoint)
+
+    def policy(self) -> PolicyState:
+        pick = self.controller.state.pick_policy
+        weight = self.controller.policy
+        return PolicyState(
+            weight=ActivePolicy(name=weight.name, params=_json_safe(weight_policy_params(weight))),
+            pick=ActivePolicy(name=pick.name,
+                              params=_json_safe(pick_catalogue.effective_pick_params(pick.name, pick.params))),
+            available=AvailablePolicies(weight=weight_policy_catalogue(), pick=pick_policy_catalogue()),
+        )
+
+    def xds_clients(self) -> XdsClients:
+        cache = self.controller.cache
+        clients = []
+        for c in cache.clients():
+            snapshot = cache.get(c.group)
+            types = {}
+            for type_url, t in c.types.items():
+                current = snapshot.version(type_url) if snapshot is not None else ""
+                nack = t.last_nack
+                types[SHORT_NAMES.get(type_url, type_url)] = TypeStatusOut(
+                    type_url=type_url, wildcard=t.wildcard, names=list(t.names), sent_version=t.sent_version,
+                    acked_version=t.acked_version, current_version=current,
+                    in_sync=bool(current) and t.acked_version == current, push_count=t.push_count,
+                    nack_count=t.nack_count,
+                    last_nack=None if nack is None else NackOut(version=nack.version, nonce=nack.nonce,
+                                                                message=nack.message, at=nack.at),
+                )
+            clients.append(XdsClientOut(stream_id=c.stream_id, node_id=c.node_id, node_cluster=c.node_cluster,
+                                        group=c.group, mode=c.mode, connected_at=c.connected_at, types=types))
+        return XdsClients(clients=clients)
+
+    # -- acting -------------------------------------------------------------------------------------
+
+    async def _commit(self, write: Callable[[Store], Any]) -> None:
+        if self.store is None:
+            return
+        try:
+            await write(self.store)
+        except StoreError as exc:
+            log.error("store write failed: nothing changed", extra={"error": str(exc)})
+            raise ApiError(503, "store_unavailable", "the change could not be saved; nothing changed",
+                           {"store": str(exc)}) from exc
+
+    def _not_removing(self, endpoint: Endpoint) -> None:
+        if endpoint.id in self._removals:
+            raise ApiError(409, "endpoint_removing", f"endpoint {endpoint.id} is being deregistered")
+
+    async def register(self, body: EndpointCreate) -> EndpointOut:
+        endpoint = Endpoint(address=body.address, port=body.port, source="api")
+        async with self._lock:
+            existing = self.controller.state.endpoint(endpoint.id)
+            if existing is not None:
+                what = "is being deregistered" if existing.id in self._removals else "exists"
+                raise ApiError(409, "endpoint_exists", f"endpoint {endpoint.id} {what}",
+                               {"source": existing.source})
+            await self._commit(lambda s: s.add_endpoint(endpoint.address, endpoint.port))
+            self.controller.update(lambda state: dataclasses.replace(
+                state, endpoints=(*state.endpoints, endpoint)) if state.endpoint(endpoint.id) is None else state)
+            log.info("endpoint registered", extra={"endpoint": endpoint.id})
+            return self._current(endpoint.id)
+
+    async def deregister(self, endpoint_id: str) -> EndpointOut:
+        async with self._lock:
+            endpoint = self.find(endpoint_id)
+            if endpoint.source != "api":
+                raise ApiError(409, "static_endpoint",
+                               f"endpoint {endpoint.id} comes from the {endpoint.source} config, not the API; "
+                               "drain it instead, or remove it from the config", {"source": endpoint.source})
+            if endpoint.id not in self._removals:
+                await self._commit(lambda s: s.remove_endpoint(endpoint.id))
+                self.controller.update(_replace_endpoint(endpoint.id, draining=True))
+                self._removals[endpoint.id] = asyncio.create_task(self._drain_then_remove(endpoint.id),
+                                                                  name=f"deregister {endpoint.id}")
+                log.info("endpoint deregistered: draining", extra={"endpoint": endpoint.id})
+            return self._current(endpoint.id)
+
+    async def _drain_then_remove(self, endpoint_id: str) -> None:
+        controller = self.controller
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deregistration_drain_s
+        poll = min(0.5, max(0.05, controller.config.scrape_interval_s / 2))
+        drain_seen_at: float | None = None  # monotonic time the Envoys had the drain
+        reason = "drain period over"
+        try:
+            while loop.time() < deadline:
+                current = controller.state.endpoint(endpoint_id)
+                if current is None:
+                    return
+                published = controller.published_state
+                pushed = published is not None and (p := published.endpoint(endpoint_id)) is not None \
+                    and p.draining
+                if drain_seen_at is None and pushed and controller.cache.default_settled(ENDPOINT):
+                    drain_seen_at = time.monotonic()
+                if drain_seen_at is not None:
+                    if current.health is Health.UNHEALTHY:
+                        reason = "unhealthy"
+                        break
+                    t = current.telemetry
+                    if t is not None and t.observed_at > drain_seen_at and t.inflight < IDLE_BELOW \
+                            and t.queue_depth < IDLE_BELOW:
+                        reason = "idle"
+                        break
+                await asyncio.sleep(poll)
+            async with self._lock:
+                controller.update(lambda state: dataclasses.replace(
+                    state, endpoints=tuple(e for e in state.endpoints if e.id != endpoint_id)))
+                log.info("endpoint removed", extra={"endpoint": endpoint_id, "reason": reason})
+        finally:
+            self._removals.pop(endpoint_id, None)
+
+    async def _set_override(self, endpoint_id: str, **changes: Any) -> EndpointOut:
+        async with self._lock:
+            endpoint = self.find(endpoint_id)
+            self._not_removing(endpoint)
+            updated = dataclasses.replace(endpoint, **changes)
+            await self._commit(lambda s: s.set_override(endpoint.id, updated.pinned_weight, updated.draining))
+            self.controller.update(_replace_endpoint(endpoint.id, **changes))
+            log.info("endpoint changed", extra={"endpoint": endpoint.id, **changes})
+            return self._current(endpoint.id)
+
+    async def pin(self, endpoint_id: str, weight: int | None) -> EndpointOut:
+        return await self._set_override(endpoint_id, pinned_weight=weight)
+
+    async def drain(self, endpoint_id: str, draining: bool) -> EndpointOut:
+        return await self._set_override(endpoint_id, draining=draining)
+
+    async def set_policy(self, update: PolicyUpdate) -> PolicyState:
+        weight_policy: WeightPolicy | None = None
+        pick: PickPolicySpec | None = None
+        stored: dict[PolicyKind, StoredPolicy] = {}
+        if update.weight is not None:
+            weight_policy = build_weight_policy(update.weight.name, update.weight.params)
+            stored["weight"] = StoredPolicy(update.weight.name, dict(update.weight.params))
+        if update.pick is not None:
+            try:
+                params = pick_catalogue.validate_pick_params(update.pick.name, update.pick.params)
+            except pick_catalogue.UnknownPickPolicy as exc:
+                raise ApiError(400, "unknown_policy", str(exc), {"available": sorted(pick_catalogue.CATALOGUE)})
+            except ValidationError as exc:
+                raise ApiError(422, "invalid_params", f"bad parameters for pick policy {update.pick.name!r}",
+                               _validation_detail(exc)) from None
+            pick = PickPolicySpec(update.pick.name, params)
+            stored["pick"] = StoredPolicy(pick.name, params)
+        async with self._lock:
+            await self._commit(lambda s: s.set_policies(stored))
+            if weight_policy is not None:
+                self.controller.set_policy(weight_policy)
+            if pick is not None:
+                self.controller.update(lambda state: dataclasses.replace(state, pick_policy=pick))
+            log.info("policy changed", extra={"policies": {k: v.name for k, v in stored.items()}})
+        return self.policy()
+
+
+def build_weight_policy(name: str, params: Mapping[str, Any]) -> WeightPolicy:
+    """A weight policy from the API's ``{name, params}``: 400 when the name leads to no policy,
+    422 when its parameters are wrong (a built-in's, or a ``BadPolicyParams`` from a user policy)."""
+    try:
+        return make_weight_policy(name, params)
+    except (ValueError, TypeError) as exc:
+        if name in builtin_weight_policies() or type(exc).__name__ == "BadPolicyParams":
+            raise ApiError(422, "invalid_params", str(exc)) from None
+        raise ApiError(400, "unknown_policy", str(exc), {"available": sorted(builtin_weight_policies())}) from None
+
+
+# --- the app -------------------------------------------------------------------------------------------
+
+DESCRIPTION = """\
+inferlb's control plane: see and override what it decides.
+
+Every mutation needs `Authorization: Bearer <token>` (the token is in
+`<data_dir>/admin-token` unless configured). Reads are open from loopback
+unless `admin_auth_reads` is set. Changes reach every Envoy and ext_proc
+through xDS within about a second, and survive restarts.
+
+Errors: `{"error": {"status", "code", "message", "detail"}}`.
+"""
+
+
+def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, service: AdminService | None = None,
+                     token: AdminToken | None = None, *, auth_reads: bool = False) -> FastAPI:
+    """The HTTP app. Without a ``token`` every mutation is refused (401): there is no open mode."""
+    service = service or AdminService(controller)
+    app = FastAPI(title="inferlb control plane", version="0.1.0", description=DESCRIPTION)
+
+    def check(request: Request) -> None:
+        presented = bearer(request.headers.get("authorization"))
+        if presented is None:
+            raise ApiError(401, "unauthorized", "this needs Authorization: Bearer <admin token>", None,
+                           {"WWW-Authenticate": 'Bearer realm="inferlb"'})
+        if token is None or not token.matches(presented):
+            raise ApiError(401, "unauthorized", "the admin token is wrong", None,
+                           {"WWW-Authenticate": 'Bearer realm="inferlb", error="invalid_token"'})
+
+    def needs_token(request: Request) -> bool:
+        if request.method not in ("GET", "HEAD", "OPTIONS"):
+            return True
+        return auth_reads or not is_loopback(request.client.host if request.client else None)
+
+    @app.middleware("http")
+    async def authorise(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        """The token check for all of /v1, before the body is even read: no token, no information."""
+        if request.url.path.startswith("/v1/") and needs_token(request):
+            try:
+                check(request)
+            except ApiError as exc:
+                return error_response(exc.status, exc.code, exc.message, exc.detail, exc.headers)
+        return await call_next(request)
+
+    # The same checks as dependencies: they document the bearer scheme in /openapi.json (and /docs).
+    async def writer(request: Request, _: Credentials) -> None:
+        check(request)
+
+    async def reader(request: Request, _: Credentials) -> None:
+        if needs_token(request):
+            check(request)
+
+    # -- error shape ----------------------------------------------------------------------------------
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message, exc.detail, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(err.get("type") == "json_invalid" for err in errors):
+            return error_response(400, "invalid_json", "the body is not valid JSON", _validation_detail(exc))
+        return error_response(422, "validation_error", "the request does not match the schema",
+                              _validation_detail(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        return error_response(exc.status_code, codes.get(exc.status_code, "http_error"), str(exc.detail), None,
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("admin API error", extra={"path": request.url.path})
+        return error_response(500, "internal_error", "unexpected error; see the control plane's log")
+
+    # -- probes and metrics -----------------------------------------------------------------------------
+
+    @app.get("/healthz", summary="Liveness", tags=["probes"])
     async def healthz() -> dict[str, str]:
         return {"status": "alive"}
 
-    @app.get("/readyz", summary="Ready once the first snapshot is published and xDS is serving")
+    @app.get("/readyz", summary="Ready once the first snapshot is published and xDS is serving", tags=["probes"])
     async def readyz() -> JSONResponse:
         if controller.published.is_set():
             return JSONResponse({"status": "ready", "endpoints": len(controller.state.endpoints)})
         return JSONResponse({"status": "not ready", "reason": "no snapshot published yet"}, status_code=503)
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response, tags=["probes"])
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    # -- /v1 ---------------------------------------------------------------------------------------------
+
+    read = [Depends(reader)]
+    write = [Depends(writer)]
+
+    @app.get("/v1/endpoints", response_model=EndpointList, dependencies=read, tags=["endpoints"],
+             summary="Every endpoint: source, health, drain state, weights and latest telemetry",
+             responses=_responses(E401))
+    async def list_endpoints() -> EndpointList:
+        return service.endpoints()
+
+    @app.post("/v1/endpoints", response_model=EndpointOut, status_code=201, dependencies=write,
+              tags=["endpoints"], summary="Register an endpoint (source api)",
+              responses=_responses(E400, E401, E409, E422, E503))
+    async def register(body: EndpointCreate, response: Response) -> EndpointOut:
+        out = await service.register(body)
+        response.headers["Location"] = f"/v1/endpoints/{out.id}"
+        return out
+
+    @app.get("/v1/endpoints/{endpoint_id}", response_model=EndpointOut, dependencies=read, tags=["endpoints"],
+             summary="One endpoint", responses=_responses(E401, E404, E422))
+    async def get_endpoint(endpoint_id: EndpointId) -> EndpointOut:
+        return service.get(endpoint_id)
+
+    @app.delete("/v1/endpoints/{endpoint_id}", response_model=EndpointOut, status_code=202, dependencies=write,
+                tags=["endpoints"],
+                summary="Deregister an API endpoint: drain it, then remove it (202: removal under way)",
+                responses=_responses(E401, E404, E409, E422, E503))
+    async def deregister(endpoint_id: EndpointId) -> EndpointOut:
+        return await service.deregister(endpoint_id)
+
+    @app.put("/v1/endpoints/{endpoint_id}/weight", response_model=EndpointOut, dependencies=write,
+             tags=["endpoints"], summary="Pin the weight (1..1000): it beats the weight policy",
+             responses=_responses(E400, E401, E404, E409, E422, E503))
+    async def pin(endpoint_id: EndpointId, body: WeightPin) -> EndpointOut:
+        return await service.pin(endpoint_id, body.weight)
+
+    @app.delete("/v1/endpoints/{endpoint_id}/weight", response_model=EndpointOut, dependencies=write,
+                tags=["endpoints"], summary="Unpin: the weight policy decides again",
+                responses=_responses(E401, E404, E409, E422, E503))
+    async def unpin(endpoint_id: EndpointId) -> EndpointOut:
+        return await service.pin(endpoint_id, None)
+
+    @app.post("/v1/endpoints/{endpoint_id}/drain", response_model=EndpointOut, dependencies=write,
+              tags=["endpoints"], summary="Drain: no new traffic, in-flight requests finish",
+              responses=_responses(E401, E404, E409, E422, E503))
+    async def drain(endpoint_id: EndpointId) -> EndpointOut:
+        return await service.drain(endpoint_id, True)
+
+    @app.delete("/v1/endpoints/{endpoint_id}/drain", response_model=EndpointOut, dependencies=write,
+                tags=["endpoints"], summary="Undrain: new traffic again",
+                responses=_responses(E401, E404, E409, E422, E503))
+    async def undrain(endpoint_id: EndpointId) -> EndpointOut:
+        return await service.drain(endpoint_id, False)
+
+    @app.get("/v1/policy", response_model=PolicyState, dependencies=read, tags=["policy"],
+             summary="The active weight and pick policies, and the available ones with their parameter schemas",
+             responses=_responses(E401))
+    async def get_policy() -> PolicyState:
+        return service.policy()
+
+    @app.put("/v1/policy", response_model=PolicyState, dependencies=write, tags=["policy"],
+             summary="Switch the weight and/or pick policy (parameters validated against its schema)",
+             responses=_responses(E400, E401, E422, E503))
+    async def put_policy(body: PolicyUpdate) -> PolicyState:
+        return await service.set_policy(body)
+
+    @app.get("/v1/xds/clients", response_model=XdsClients, dependencies=read, tags=["xds"],
+             summary="Connected Envoys and ext_procs: node, acked versions per type, last NACK",
+             responses=_responses(E401))
+    async def xds_clients() -> XdsClients:
+        return service.xds_clients()
 
     return app

@@ -7,10 +7,11 @@ at startup with the field's name, never half-applied.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -86,6 +87,14 @@ class ControlPlaneConfig(BaseSettings):
     node_group_key: Literal["cluster", "id"] = "cluster"
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Operator state (control-plane.db) and the generated admin token (admin-token) live here.
+    data_dir: Path = Field(default_factory=lambda: Path(os.environ.get("INFERLB_DATA_DIR", ".inferlb")))
+    # The admin API's bearer token; INFERLB_ADMIN_TOKEN beats it; neither: <data_dir>/admin-token.
+    admin_token: SecretStr | None = None
+    # Require the token for reads (GET /v1/...) too, not only for mutations.
+    admin_auth_reads: bool = False
+    # DELETE /v1/endpoints/{id}: the longest a deregistered endpoint drains before it is removed.
+    deregistration_drain_s: float = Field(10.0, ge=0, le=3600)
 
     @field_validator("endpoints", mode="before")
     @classmethod

@@ -33,6 +33,7 @@ from .debounce import Debouncer
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState
 from .policy import WeightPolicy, fleet_view, make_weight_policy
+from .policy_loading import contained_compute
 from .resources import EndpointMemo, build_static_resources, encode_load_assignment
 from .scraper import ScrapeResult, apply_scrape_results
 from .type_urls import ENDPOINT
@@ -76,15 +77,18 @@ class Controller:
         cache: SnapshotCache,
         metrics: ControlPlaneMetrics | None = None,
         state: FleetState | None = None,
+        policy: WeightPolicy | None = None,
     ) -> None:
         self.config = config
         self.cache = cache
         self.metrics = metrics
         self.state = state if state is not None else initial_state(config)
-        self.policy: WeightPolicy = make_weight_policy(config.weight_policy, config.weight_params)
+        self.policy: WeightPolicy = policy if policy is not None else make_weight_policy(config.weight_policy,
+                                                                                         config.weight_params)
         self.epoch = make_epoch()
         self.snapshot: Snapshot | None = None  # the Envoys' (the cache's default)
         self.ext_proc_snapshot: Snapshot | None = None
+        self.published_state: FleetState | None = None  # the state the Envoys' current snapshot was built from
         self._memos = (EndpointMemo(), EndpointMemo())  # Envoys', ext_proc's: used under _publish_lock only
         self.published = asyncio.Event()
         self._debouncer = Debouncer(self.publish, delay=config.debounce_s, max_delay=config.debounce_max_s)
@@ -113,7 +117,9 @@ class Controller:
 
         def change(state: FleetState) -> FleetState:
             endpoints = apply_scrape_results(state.endpoints, results, unhealthy_after=self.config.unhealthy_after)
-            weights = self.policy.compute(fleet_view(endpoints, now, self.config.stale_after_s))
+            # Contained: a failing, garbage-returning or slow policy gets the default's weights (policy_loading).
+            weights = contained_compute(self.policy, fleet_view(endpoints, now, self.config.stale_after_s),
+                                        self.metrics)
             endpoints = tuple(
                 dataclasses.replace(e, computed_weight=weights[e.id])
                 if e.id in weights and weights[e.id] != e.computed_weight
@@ -141,6 +147,7 @@ class Controller:
             changed = snapshot.changed_types(self.snapshot)
             self.cache.set_default_snapshot(snapshot)
             self.snapshot = snapshot
+            self.published_state = state
             if ENDPOINT in changed:
                 await self.cache.wait_default_settled(ENDPOINT, ENVOYS_FIRST_MAX_WAIT_S)
             ext_proc = await asyncio.to_thread(build_ext_proc_snapshot, state, snapshot, self._memos[1])

@@ -73,6 +73,11 @@ class ControlPlaneMetrics:
         )
         self.snapshots = Counter("inferlb_cp_snapshots", "Snapshots published, by the types they changed.",
                                  ["type"], registry=r)
+        self.policy_failures = Counter(
+            "inferlb_cp_policy_failures",
+            "Weight-policy rounds contained (the default policy's weights used instead), by policy and reason.",
+            ["policy", "reason"], registry=r,
+        )
 
     # XdsMetrics
     def on_connect(self, mode: str) -> None:
@@ -100,6 +105,10 @@ class ControlPlaneMetrics:
         self.snapshot_build.observe(seconds)
         for type_url in changed_types:
             self.snapshots.labels(type=_type(type_url)).inc()
+
+    # policy_loading.FailureObserver
+    def policy_failure(self, policy: str, reason: str) -> None:
+        self.policy_failures.labels(policy=policy, reason=reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

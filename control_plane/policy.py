@@ -14,7 +14,11 @@ Built in:
 * ``equal`` (``EqualWeightPolicy``): every endpoint 100, the baseline.
 
 ``make_weight_policy(name, params)`` builds one from the admin API's
-``{name, params}`` and validates the parameters.
+``{name, params}`` and validates the parameters. A name that is not built in
+is a user policy: an ``inferlb.policies`` entry point or a
+``module:attribute`` spec (``policy_loading.py``, which also contains a
+failing policy: the controller runs every policy through
+``policy_loading.contained_compute``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import statistics
 import typing
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Mapping, Protocol
+
+from inferlb.runtime.plugins import BadPolicyParams
 
 from .model import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, Endpoint, Health, Telemetry
 from .telemetry import is_stale
@@ -328,12 +334,22 @@ def parse_params(policy: str, params_cls: type, raw: Mapping[str, object]) -> ob
 
 
 def make_weight_policy(name: str, params: Mapping[str, object] | None = None) -> WeightPolicy:
-    """Build a built-in policy by name; ``ValueError`` with a clear message on any bad input."""
+    """Build a policy: a built-in by name, else a user policy (an ``inferlb.policies`` entry point or a
+    ``module:attribute`` spec, see ``policy_loading``).
+
+    ``ValueError`` with a clear message on any bad input: ``PolicyNotFound`` for a name that leads to no
+    weight policy, ``BadPolicyParams`` for bad parameters (both from ``inferlb.runtime.plugins``).
+    """
     policies = builtin_weight_policies()
     cls = policies.get(name)
     if cls is None:
-        raise ValueError(f"unknown weight policy {name!r}; built in: {', '.join(sorted(policies))}")
-    return cls(parse_params(name, cls.Params, params or {}))
+        from .policy_loading import load_weight_policy  # imports this module
+
+        return load_weight_policy(name, params)
+    try:
+        return cls(parse_params(name, cls.Params, params or {}))
+    except ValueError as exc:
+        raise BadPolicyParams(str(exc)) from None
 
 
 def weight_policy_params(policy: WeightPolicy) -> dict[str, object]:

@@ -304,6 +304,9 @@ def build_workers_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
             eds_config=_ads(), service_name=settings.workers_cluster,
         ),
         connect_timeout=_duration(settings.connect_timeout_s),
+        # The control plane drains before it deregisters: a removed host is gone at once,
+        # not kept by Envoy until it fails health checks.
+        ignore_health_on_host_removal=True,
         load_balancing_policy=build_lb_policy(settings),
         common_lb_config=cluster_pb2.Cluster.CommonLbConfig(
             # No panic mode: draining must mean no new traffic, even when few hosts are left.

@@ -9,7 +9,7 @@ import logging.config
 import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Coroutine, Sequence
 
 import uvicorn
 from pydantic import ValidationError
@@ -45,7 +45,8 @@ async def run(config: ExtProcConfig) -> None:
         xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params))
     holder.append(servicer)
     health = HealthReporter(xds)
-    grpc_server = await serve_grpc(servicer, health, config.grpc_target, config.grpc_max_message_bytes)
+    grpc_server = await serve_grpc(servicer, health, config.grpc_target, config.grpc_max_message_bytes,
+                                   config.reuse_port)
     xds.start()
 
     def not_ready() -> str | None:
@@ -106,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", help="xDS node id (default ext-proc-<hostname>-<pid>)")
     p.add_argument("--node-cluster", help="xDS node cluster (default inferlb-ext-proc: the rich EDS)")
     p.add_argument("--pick-policy", help="policy until EDS names one (default least_completion_time)")
+    p.add_argument("--reuse-port", action="store_true", default=None,
+                   help="share the gRPC port with other ext_proc processes (SO_REUSEPORT; give each its own "
+                        "--metrics-port or 0)")
+    p.add_argument("--event-loop", choices=["uvloop", "asyncio"], help="event loop (default uvloop when installed)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -121,8 +126,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"python -m ext_proc: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     configure_json_logging("ext_proc", config.log_level)
-    asyncio.run(run(config))
+    run_loop(run(config), config.event_loop)
     return 0
+
+
+def run_loop(main_coro: Coroutine[Any, Any, None], event_loop: str) -> None:
+    """Run on uvloop when asked for and installed (grpc.aio supports it: its completion queue is
+    polled by its own thread and hands results to whatever loop runs), else on asyncio's loop."""
+    if event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("uvloop is not installed; running on asyncio's default loop")
+        else:
+            uvloop.run(main_coro)
+            return
+    asyncio.run(main_coro)
 
 
 if __name__ == "__main__":

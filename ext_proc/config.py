@@ -35,6 +35,9 @@ class ExtProcConfig(BaseSettings):
     # The ExternalProcessor gRPC service (and grpc.health.v1 on the same port).
     address: str = "127.0.0.1"
     port: int = Field(9002, ge=1, le=65535)
+    # SO_REUSEPORT: several ext_proc processes on one port, the kernel spreading Envoy's connections over
+    # them (one process is one core: this is how ext_proc scales). Off: a taken port is an error.
+    reuse_port: bool = False
     # Prometheus /metrics, /healthz, /readyz.
     metrics_address: str = "127.0.0.1"
     metrics_port: int = Field(9090, ge=0, le=65535)  # 0: no HTTP side
@@ -62,6 +65,8 @@ class ExtProcConfig(BaseSettings):
     inline_count_bytes: int = Field(16 * 1024, ge=0)
     # Observability headers on the response to the client (x-inferlb-endpoint, ...).
     response_headers: bool = True
+    # uvloop when installed (grpc.aio runs on it: fewer CPU cycles per stream); "asyncio": the default loop.
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     @model_validator(mode="after")

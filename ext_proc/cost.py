@@ -215,9 +215,17 @@ class CostModel:
         return fit
 
     def _solve(self, fit: _Fit) -> tuple[float, ...]:
-        """theta = (S + rho I)^-1 (r + rho prior), by Gaussian elimination (k <= 3)."""
+        """theta = (S + rho I)^-1 (r + rho prior): in closed form for k = 2 (every response of a linear
+        fit solves this), by Gaussian elimination otherwise."""
         k = fit.k
         rho = fit.rho
+        if k == 2:
+            (s00, s01), (s10, s11) = fit.s
+            m00, m11 = s00 + rho, s11 + rho
+            b0, b1 = fit.r[0] + rho * fit.prior[0], fit.r[1] + rho * fit.prior[1]
+            det = m00 * m11 - s01 * s10
+            if det > 1e-12 * m00 * m11:  # S + rho I is positive definite: only rounding can make it small
+                return ((b0 * m11 - s01 * b1) / det, (m00 * b1 - s10 * b0) / det)
         m = [[fit.s[i][j] + (rho if i == j else 0.0) for j in range(k)] + [fit.r[i] + rho * fit.prior[i]]
              for i in range(k)]
         for col in range(k):

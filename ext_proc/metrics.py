@@ -1,25 +1,34 @@
 """ext_proc's Prometheus metrics (prefix ``inferlb_ext_proc_``).
 
-Per-request events (decisions, fallbacks, parse failures, observations) are
-counters bumped on the hot path. Figures that are state rather than events
-(outstanding work per endpoint, the cost model's error, the xDS connection)
-are read at scrape time by a collector from a callable the server supplies,
-so an endpoint that leaves the fleet takes its series with it, and the hot
-path never updates a gauge.
+Per-request events (decisions, the decision-time histogram, fallbacks, parse
+failures, responses, releases) are plain integers in dicts bumped on the hot
+path (a dict increment, no lock, no label look-up: prometheus_client's
+``labels().inc()`` and ``Histogram.observe`` cost microseconds each, several
+times per request) and exported as counters and a histogram by a collector at
+scrape time; the names, labels and types are what prometheus_client would
+have exported. Everything runs on the one event loop, scrapes included.
+Figures that are state rather than events (outstanding work per endpoint, the
+cost model's error, the xDS connection) are read at scrape time by a
+collector from a callable the server supplies, so an endpoint that leaves the
+fleet takes its series with it, and the hot path never updates a gauge.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from .policy_loading import set_failure_observer
 
 PREFIX = "inferlb_ext_proc_"
 # A decision is tens of microseconds; a slow one (a huge body tokenised in a thread) tens of ms.
@@ -109,64 +118,90 @@ class _LiveCollector(Collector):
                                 value=s.active_streams)
 
 
+# The hot-path counters: attribute of ExtProcMetrics -> (metric name, help, label, values shown at zero).
+_HOT_COUNTERS = {
+    "fallbacks": (f"{PREFIX}fallbacks", "Requests without a (full) decision, by reason.", "reason", FALLBACK_REASONS),
+    "parse_failures": (f"{PREFIX}parse_failures", "Inputs that could not be parsed, by what.", "what",
+                       ("request_body", "server_timing", "orca", "tokens_header")),
+    "responses": (f"{PREFIX}responses", "Upstream responses seen, by status class.", "code", ()),
+    "released": (f"{PREFIX}released",
+                 "Outstanding entries released: at the response, early (the stream was cancelled or closed "
+                 "first: client gone, upstream reset) or on an error.", "how", ("response", "early", "error")),
+}
+_DECISION_HELP = ("From the message that completes a request (body or headers) to the answer: token counting, "
+                  "prediction and picking.")
+
+
+class _HotCollector(Collector):
+    """Exports the hot-path integers of an :class:`ExtProcMetrics` in prometheus_client's shapes."""
+
+    def __init__(self, metrics: "ExtProcMetrics") -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Any]:
+        m = self._m
+        decisions = CounterMetricFamily(f"{PREFIX}decisions", "Picks made, by policy and primary endpoint.",
+                                        labels=["policy", "endpoint"])
+        for (policy, endpoint), value in sorted(m.decision_counts.items()):
+            decisions.add_metric([policy, endpoint], value)
+        yield decisions
+        cumulative, buckets = 0, []
+        for bound, count in zip(m._bucket_names, m._bucket_counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        yield HistogramMetricFamily(f"{PREFIX}decision_seconds", _DECISION_HELP, buckets=buckets,
+                                    sum_value=m._decision_sum)
+        for attr, (name, help_, label, _) in _HOT_COUNTERS.items():
+            family = CounterMetricFamily(name, help_, labels=[label])
+            for value_label, value in sorted(m.counts[attr].items()):
+                family.add_metric([value_label], value)
+            yield family
+
+
 class ExtProcMetrics:
-    """Counters and histograms on the hot path, plus the live collector; one registry per instance."""
+    """Hot-path counters (plain integers, exported at scrape time), the rarer prometheus_client counters,
+    and the live collector; one registry per instance."""
 
     def __init__(self, live: Callable[[], LiveState] | None = None) -> None:
         self.registry = r = CollectorRegistry()
-        self._children: dict[tuple[str, ...], Any] = {}
         ProcessCollector(registry=r)
         if live is not None:
             r.register(_LiveCollector(live))
-        self.decisions = Counter(f"{PREFIX}decisions", "Picks made, by policy and primary endpoint.",
-                                 ["policy", "endpoint"], registry=r)
-        self.decision_seconds = Histogram(f"{PREFIX}decision_seconds",
-                                          "From the message that completes a request (body or headers) to the "
-                                          "answer: token counting, prediction and picking.",
-                                          buckets=DECISION_BUCKETS, registry=r)
-        self.fallbacks = Counter(f"{PREFIX}fallbacks", "Requests without a (full) decision, by reason.",
-                                 ["reason"], registry=r)
-        for reason in FALLBACK_REASONS:
-            self.fallbacks.labels(reason=reason)
-        self.parse_failures = Counter(f"{PREFIX}parse_failures", "Inputs that could not be parsed, by what.",
-                                      ["what"], registry=r)
-        for what in ("request_body", "server_timing", "orca", "tokens_header"):
-            self.parse_failures.labels(what=what)
-        self.responses = Counter(f"{PREFIX}responses", "Upstream responses seen, by status class.",
-                                    ["code"], registry=r)
-        self.released = Counter(f"{PREFIX}released",
-                                "Outstanding entries released: at the response, early (the stream was cancelled "
-                                "or closed first: client gone, upstream reset) or on an error.",
-                                ["how"], registry=r)
-        for how in ("response", "early", "error"):
-            self.released.labels(how=how)
+        # Hot path: decisions by (policy, endpoint), the decision-time histogram, and the one-label counters.
+        self.decision_counts: dict[tuple[str, str], int] = {}
+        self._bounds = DECISION_BUCKETS
+        self._bucket_names = [_le(b) for b in DECISION_BUCKETS] + ["+Inf"]
+        self._bucket_counts = [0] * (len(DECISION_BUCKETS) + 1)
+        self._decision_sum = 0.0
+        self.counts: dict[str, dict[str, int]] = {
+            attr: dict.fromkeys(zero, 0) for attr, (_, _, _, zero) in _HOT_COUNTERS.items()}
+        r.register(_HotCollector(self))
+        # Rare events: prometheus_client counters.
         self.xds_updates = Counter(f"{PREFIX}xds_updates", "EDS responses, by result.", ["result"], registry=r)
         self.xds_connects = Counter(f"{PREFIX}xds_connects", "ADS streams established.", registry=r)
         self.policy_switches = Counter(f"{PREFIX}policy_switches", "Pick-policy changes, by result.",
                                        ["result"], registry=r)
+        # User pick policies report contained failures here (ext_proc/policy_loading.py).
+        self.policy_failures = Counter(f"{PREFIX}policy_failures",
+                                       "User pick-policy decisions contained (the default policy decided, or "
+                                       "over the time budget), by policy and reason.", ["policy", "reason"],
+                                       registry=r)
+        set_failure_observer(self.policy_failure)
 
-    # Hot-path shortcuts: a labelled child is looked up once, then cached (``labels()`` costs microseconds).
     def decision(self, policy: str, endpoint: str, seconds: float) -> None:
-        child = self._children.get(("d", policy, endpoint))
-        if child is None:
-            child = self._children[("d", policy, endpoint)] = self.decisions.labels(policy=policy, endpoint=endpoint)
-        child.inc()
-        self.decision_seconds.observe(seconds)
+        key = (policy, endpoint)
+        counts = self.decision_counts
+        counts[key] = counts.get(key, 0) + 1
+        self._bucket_counts[bisect.bisect_left(self._bounds, seconds)] += 1
+        self._decision_sum += seconds
 
     def count(self, counter: str, label: str) -> None:
         """``counter``: "fallbacks", "parse_failures", "responses" or "released"; ``label``: its one label's value."""
-        key = (counter, label)
-        child = self._children.get(key)
-        if child is None:
-            metric = {"fallbacks": self.fallbacks, "parse_failures": self.parse_failures,
-                      "responses": self.responses, "released": self.released}[counter]
-            child = self._children[key] = metric.labels(label)
-        child.inc()
+        counts = self.counts[counter]
+        counts[label] = counts.get(label, 0) + 1
 
     def forget_endpoints(self, keep: set[str]) -> None:
-        """Drop the cached children of endpoints that left (their series stay until restart: counters)."""
-        for key in [k for k in self._children if k[0] == "d" and k[2] not in keep]:
-            del self._children[key]
+        """Nothing to drop: a departed endpoint's decision counter stays until restart, as counters do."""
 
     # XdsObserver
     def xds_connected(self, connected: bool) -> None:
@@ -176,8 +211,16 @@ class ExtProcMetrics:
     def xds_update(self, accepted: bool) -> None:
         self.xds_updates.labels(result="accepted" if accepted else "rejected").inc()
 
+    def policy_failure(self, policy: str, reason: str) -> None:
+        self.policy_failures.labels(policy=policy, reason=reason).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as prometheus_client's Histogram writes it (``5e-05``, ``0.001``)."""
+    return floatToGoString(bound)
 
 
 def create_http_app(metrics: ExtProcMetrics, ready: Callable[[], str | None]) -> Starlette:

@@ -32,12 +32,14 @@ class OutstandingLoad:
 _IDLE = OutstandingLoad()
 
 
-@dataclass(frozen=True)
 class _Entry:
-    endpoint_id: str
-    tokens: int
-    predicted_s: float
-    started: float
+    __slots__ = ("endpoint_id", "tokens", "predicted_s", "started")
+
+    def __init__(self, endpoint_id: str, tokens: int, predicted_s: float, started: float) -> None:
+        self.endpoint_id = endpoint_id
+        self.tokens = tokens
+        self.predicted_s = predicted_s
+        self.started = started
 
 
 class _Totals:
@@ -72,14 +74,15 @@ class Outstanding:
             self.sweep(now)
         if request_key in self._entries:
             self._release(request_key)
-        entry = _Entry(endpoint_id, max(0, int(tokens)), max(0.0, float(predicted_s)), now)
-        self._entries[request_key] = entry
+        tokens = int(tokens) if tokens > 0 else 0
+        predicted_s = float(predicted_s) if predicted_s > 0.0 else 0.0
+        self._entries[request_key] = _Entry(endpoint_id, tokens, predicted_s, now)
         totals = self._totals.get(endpoint_id)
         if totals is None:
             totals = self._totals[endpoint_id] = _Totals()
         totals.requests += 1
-        totals.tokens += entry.tokens
-        totals.seconds += entry.predicted_s
+        totals.tokens += tokens
+        totals.seconds += predicted_s
         self.begun += 1
 
     def finish(self, request_key: Hashable) -> bool:
@@ -95,6 +98,12 @@ class Outstanding:
         if totals is None:
             return _IDLE
         return OutstandingLoad(totals.requests, totals.tokens, totals.seconds)
+
+    def load_of(self, endpoint_id: str) -> "_Totals | OutstandingLoad":
+        """The hot-path form of :meth:`of`: the live totals (``requests``, ``tokens``, ``seconds``),
+        not a copy. Read them at once; never keep or change them."""
+        totals = self._totals.get(endpoint_id)
+        return totals if totals is not None else _IDLE
 
     def requests_of(self, endpoint_id: str) -> int:
         """The hot-path shortcut for ``of(e).requests``."""

@@ -131,31 +131,37 @@ class Picker:
         self._mean_tokens += 0.02 * (tokens - self._mean_tokens)
         pool = self._sample(request, routable) if self._sample is not None else routable
         predict = self.cost.predict
-        of = self.outstanding.of
+        load_of = self.outstanding.load_of
+        loads = self._loads
+        key = self.reported_load_key
+        mean_tokens = int(self._mean_tokens)
         now = -1.0
         candidates: list[Candidate] = []
-        by_id: dict[str, Candidate] = {}
         for e in pool:
             if not e.routable:  # a policy's sample() must not smuggle one in
                 continue
-            load = of(e.id)
+            endpoint_id = e.id
+            telemetry = e.telemetry
+            load = load_of(endpoint_id)
+            requests = load.requests
             outstanding_s = load.seconds
             reported = None
-            noted = self._loads.get(e.id)
-            if noted is not None:
-                if now < 0:
-                    now = self._clock()
-                if now - noted[1] <= self.load_ttl_s:
-                    reported = noted[0]
+            if loads:
+                noted = loads.get(endpoint_id)
+                if noted is not None:
+                    if now < 0:
+                        now = self._clock()
+                    if now - noted[1] <= self.load_ttl_s:
+                        reported = noted[0]
             if reported is None:
-                reported = e.telemetry.get(self.reported_load_key)
-            if reported is not None and reported > load.requests:
-                outstanding_s += (reported - load.requests) * predict(e.id, int(self._mean_tokens), e.telemetry)
-            c = Candidate(e, predict(e.id, tokens, e.telemetry), outstanding_s, load.requests, load.tokens)
-            candidates.append(c)
-            by_id[e.id] = c
+                reported = telemetry.get(key)
+            if reported is not None and reported > requests:
+                outstanding_s += (reported - requests) * predict(endpoint_id, mean_tokens, telemetry)
+            candidates.append(Candidate(e, predict(endpoint_id, tokens, telemetry), outstanding_s, requests,
+                                        load.tokens))
         if not candidates:
             return None
+        by_id = {c.endpoint.id: c for c in candidates}
         ranked: list[str] = []
         for endpoint_id in self._policy.rank(request, candidates):
             if endpoint_id in by_id and endpoint_id not in ranked:

@@ -23,6 +23,10 @@ sampled (proportionally to weight) and only they are scored. d defaults to 4,
 not 2: the outstanding work ext_proc knows of its own requests is exact and
 fresh, so more choices keep improving the pick while each costs ~2 µs;
 random sampling still keeps several ext_procs from herding onto one endpoint.
+
+User policies (an ``inferlb.policies`` entry point or a ``module:attribute``
+spec) are loaded and contained by ``policy_loading.py``; ``make_pick_policy``
+hands it any name that is not built in.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from inferlb.runtime.plugins import BadPolicyParams, PolicyNotFound
 
 from .model import Candidate, EndpointInfo, PickPolicy, RequestView
 
@@ -324,14 +330,25 @@ DEFAULT_PICK_POLICY = "least_completion_time"
 
 
 def make_pick_policy(name: str, params: Mapping[str, Any] | None = None) -> PickPolicy:
-    """Build a policy by name; ValueError saying what is wrong for an unknown name or bad params."""
+    """Build a policy: a built-in by name, else a user policy (an ``inferlb.policies`` entry point or a
+    ``module:attribute`` spec), wrapped in ``policy_loading.ContainedPickPolicy``.
+
+    ValueError saying what is wrong: ``PolicyNotFound`` for a name that leads to no pick policy,
+    ``BadPolicyParams`` for bad params (both from ``inferlb.runtime.plugins``).
+    """
     registry = builtin_pick_policies()
     spec = registry.get(name) if isinstance(name, str) else None
     if spec is None:
-        raise ValueError(f"unknown pick policy {name!r}; built-in: {', '.join(sorted(registry))}")
+        if isinstance(name, str) and name:
+            from .policy_loading import load_pick_policy  # imports this module
+
+            return load_pick_policy(name, params)
+        raise PolicyNotFound(f"unknown pick policy {name!r}; built-in: {', '.join(sorted(registry))}")
     if params is not None and not isinstance(params, Mapping):
-        raise ValueError(f"{name}: params must be an object, got {type(params).__name__}")
+        raise BadPolicyParams(f"{name}: params must be an object, got {type(params).__name__}")
     try:
         return spec.create(params)
     except TypeError as exc:  # a params class refusing a value its validator missed
-        raise ValueError(f"{name}: bad params: {exc}") from None
+        raise BadPolicyParams(f"{name}: bad params: {exc}") from None
+    except ValueError as exc:
+        raise BadPolicyParams(str(exc)) from None

@@ -59,7 +59,7 @@ def control_plane_component(
     endpoints: list[str], data_dir: Path, ports: StackPorts, config: Path | None = None
 ) -> Component:
     argv = [sys.executable, "-m", "control_plane", "--xds-port", str(ports.xds),
-            "--admin-port", str(ports.control_plane_admin)]
+            "--admin-port", str(ports.control_plane_admin), "--data-dir", str(data_dir)]
     for endpoint in endpoints:
         argv += ["--endpoint", endpoint]
     if config:
@@ -115,12 +115,21 @@ class StackSupervisor(Supervisor):
         self.data_dir = data_dir
         self.ports = ports
 
+    def admin_token_location(self) -> str:
+        """Where the admin API's token is (never the token itself)."""
+        if os.environ.get("INFERLB_ADMIN_TOKEN"):
+            return "$INFERLB_ADMIN_TOKEN"
+        if os.environ.get("INFERLB_CP_ADMIN_TOKEN"):
+            return "$INFERLB_CP_ADMIN_TOKEN"
+        return f"{self.data_dir / 'admin-token'} (unless admin_token is set in the config)"
+
     def on_ready(self) -> None:
         p = self.ports
         print(
             "\ninferlb is up.\n"
             f"  inference   http://127.0.0.1:{p.listener}/v1/embeddings   (Envoy)\n"
             f"  control     http://127.0.0.1:{p.control_plane_admin}/metrics   (control plane; xDS on :{p.xds})\n"
+            f"  admin API   http://127.0.0.1:{p.control_plane_admin}/docs   (token: {self.admin_token_location()})\n"
             f"  ext_proc    http://127.0.0.1:{p.ext_proc_metrics}/metrics   (picks each request; gRPC :{p.ext_proc})\n"
             f"  envoy admin http://127.0.0.1:{p.envoy_admin}/clusters\n"
             f"  workers     {', '.join(self.worker_urls)}\n"

@@ -179,10 +179,16 @@ class ControlPlane:
     xds_port: int
     admin_port: int
     listener_port: int
+    data_dir: Path | None = None  # its state database and admin token
 
     @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
+
+    def admin_token(self) -> str:
+        """The token the control plane generated in its data directory."""
+        assert self.data_dir is not None
+        return (self.data_dir / "admin-token").read_text().strip()
 
     def metrics(self) -> dict[tuple[str, frozenset], float]:
         with http() as client:
@@ -215,9 +221,14 @@ def running_control_plane(
     weight_policy: str = "capacity",
     health_check_interval_s: float = 0.25,
     env: Mapping[str, str] | None = None,
+    data_dir: Path | None = None,
     timeout: float = 30,
 ) -> Iterator[ControlPlane]:
     """``python -m control_plane`` on free ports; ready when ``/readyz`` answers 200.
+
+    Its state (database, admin token) goes to ``data_dir``, by default
+    ``log_dir/control-plane-data``: never a developer's own data directory, and
+    the same for a restart within one test.
 
     Envoy's listener port (which the control plane puts in its LDS) and the
     ext_proc port default to free ports too; nothing listens on the ext_proc
@@ -227,8 +238,10 @@ def running_control_plane(
     admin_port = admin_port or free_port()
     listener_port = listener_port or free_port()
     ext_proc_port = ext_proc_port or free_port()
+    data_dir = data_dir or log_dir / "control-plane-data"
     argv = [sys.executable, "-m", "control_plane", "--xds-port", str(xds_port), "--admin-port", str(admin_port),
-            "--scrape-interval", str(scrape_interval_s), "--weight-policy", weight_policy]
+            "--scrape-interval", str(scrape_interval_s), "--weight-policy", weight_policy,
+            "--data-dir", str(data_dir)]
     for endpoint in endpoints:
         argv += ["--endpoint", endpoint]
     proc = launch("control-plane", argv, log_dir, {
@@ -238,7 +251,7 @@ def running_control_plane(
         **(env or {}),
     })
     with supervised(proc, stop_timeout=10):
-        cp = ControlPlane(proc, xds_port, admin_port, listener_port)
+        cp = ControlPlane(proc, xds_port, admin_port, listener_port, data_dir)
         wait_for(lambda: _http_ok(f"{cp.admin_url}/readyz"), timeout, "the control plane to become ready", [proc])
         yield cp
 

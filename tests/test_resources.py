@@ -188,6 +188,7 @@ def test_workers_cluster_is_eds_over_ads() -> None:
     assert cluster.eds_cluster_config.eds_config.HasField("ads")
     assert cluster.eds_cluster_config.eds_config.resource_api_version == config_source_pb2.V3
     assert cluster.connect_timeout.ToMilliseconds() == 250
+    assert cluster.ignore_health_on_host_removal  # deregistered hosts leave at once
     # the legacy enum must not compete with load_balancing_policy
     assert cluster.lb_policy == cluster_pb2.Cluster.ROUND_ROBIN and not cluster.HasField("least_request_lb_config")
 

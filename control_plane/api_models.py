@@ -1,0 +1,206 @@
+"""Request and response models of the admin REST API (v1): what ``/openapi.json`` documents.
+
+Requests are strict (no unknown fields, integers are JSON integers, ranges
+enforced); responses are what the handlers return, so the schema and the
+answers cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
+
+from .model import MAX_WEIGHT, MIN_WEIGHT
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integer: 5 and 5.0 are integers, "5" and true are not."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+
+class ErrorBody(BaseModel):
+    status: int = Field(description="the HTTP status, repeated")
+    code: str = Field(description="a stable machine-readable code, e.g. endpoint_not_found")
+    message: str = Field(description="what went wrong, for people")
+    detail: Any = Field(None, description="more: the validation errors for 422, else null or an object")
+
+
+class ErrorResponse(BaseModel):
+    """Every error of the admin API: ``{"error": {"status", "code", "message", "detail"}}``."""
+
+    error: ErrorBody
+
+
+# --- endpoints -------------------------------------------------------------------------------------
+
+
+def normalise_address(value: str) -> str:
+    """An IPv4 or IPv6 literal, in canonical form. Envoy's EDS takes IP addresses only: a hostname
+    would be NACKed and hold back every later update, so it is refused here."""
+    try:
+        ip = ipaddress.ip_address(value.strip().strip("[]"))
+    except ValueError:
+        raise ValueError("must be an IPv4 or IPv6 address (EDS does not resolve hostnames)") from None
+    if ip.is_unspecified or ip.is_multicast or (ip.version == 4 and ip == ipaddress.IPv4Address("255.255.255.255")):
+        raise ValueError("must be a unicast address (not unspecified, multicast or broadcast)")
+    return str(ip)
+
+
+class EndpointCreate(_Request):
+    address: str = Field(max_length=64, description="the worker's IPv4 or IPv6 address",
+                         examples=["127.0.0.1"])
+    port: Integer = Field(ge=1, le=65535, examples=[8103])
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return normalise_address(value)
+
+
+class WeightPin(_Request):
+    weight: Integer = Field(ge=MIN_WEIGHT, le=MAX_WEIGHT, description="the pinned weight; it beats the policy",
+                              examples=[250])
+
+
+class Weights(BaseModel):
+    effective: int = Field(ge=MIN_WEIGHT, le=MAX_WEIGHT, description="what Envoy uses: the pin, else the computed")
+    computed: int = Field(description="the weight policy's latest")
+    pinned: int | None = Field(description="the operator's pin, or null")
+
+
+class TelemetryOut(BaseModel):
+    """The latest smoothed telemetry from the worker's /metrics (null where not finite)."""
+
+    cpu_utilization: float | None = Field(description="0..1 of the worker's allotted cores")
+    latency_mean_s: float | None
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+    latency_per_token_s: float | None
+    queue_wait_mean_s: float | None
+    queue_depth: float | None
+    inflight: float | None
+    rps: float | None
+    tokens_per_s: float | None
+    error_rate: float | None
+    age_s: float = Field(description="seconds since the scrape these figures come from")
+    stale: bool = Field(description="older than the freshness limit: not used as current by the policy")
+
+
+class EndpointOut(BaseModel):
+    id: str = Field(description="host:port", examples=["127.0.0.1:8101"])
+    address: str
+    port: int
+    source: Literal["static", "api", "kubernetes"]
+    health: Literal["unknown", "healthy", "unhealthy"]
+    draining: bool
+    removing: bool = Field(description="deregistered: draining, then removed")
+    routable: bool = Field(description="gets new traffic: not draining and not unhealthy")
+    weight: Weights
+    consecutive_scrape_failures: int
+    telemetry: TelemetryOut | None
+
+
+class EndpointList(BaseModel):
+    endpoints: list[EndpointOut]
+
+
+# --- policies --------------------------------------------------------------------------------------
+
+
+class PolicyChoice(_Request):
+    name: str = Field(min_length=1, max_length=200, examples=["equal"])
+    params: dict[str, Any] = Field(default_factory=dict,
+                                   description="the policy's parameters (see its params_schema); "
+                                               "those not given take their defaults")
+
+
+class PolicyUpdate(_Request):
+    weight: PolicyChoice | None = Field(None, description="the weight policy (control plane)")
+    pick: PolicyChoice | None = Field(None, description="the pick policy (ext_proc, via EDS metadata)")
+
+    @model_validator(mode="after")
+    def _something(self) -> PolicyUpdate:
+        if self.weight is None and self.pick is None:
+            raise ValueError("give weight, pick or both")
+        return self
+
+
+class ActivePolicy(BaseModel):
+    name: str
+    params: dict[str, Any] = Field(description="every parameter, defaults included")
+
+
+class AvailablePolicy(BaseModel):
+    name: str
+    summary: str
+    params_schema: dict[str, Any] = Field(description="JSON Schema of the parameters")
+
+
+class AvailablePolicies(BaseModel):
+    weight: list[AvailablePolicy]
+    pick: list[AvailablePolicy]
+
+
+class PolicyState(BaseModel):
+    weight: ActivePolicy
+    pick: ActivePolicy
+    available: AvailablePolicies
+
+
+# --- xDS clients ------------------------------------------------------------------------------------
+
+
+class NackOut(BaseModel):
+    version: str
+    nonce: str
+    message: str = Field(description="Envoy's error text")
+    at: float = Field(description="unix time")
+
+
+class TypeStatusOut(BaseModel):
+    type_url: str
+    wildcard: bool
+    names: list[str]
+    sent_version: str
+    acked_version: str
+    current_version: str = Field(description="the version in the client's snapshot now ('' if none)")
+    in_sync: bool = Field(description="acked_version == current_version")
+    push_count: int
+    nack_count: int
+    last_nack: NackOut | None
+
+
+class XdsClientOut(BaseModel):
+    stream_id: int
+    node_id: str
+    node_cluster: str
+    group: str = Field(description="the snapshot group it is served from")
+    mode: Literal["sotw", "delta"]
+    connected_at: float = Field(description="unix time")
+    types: dict[str, TypeStatusOut] = Field(description="by short type name: cds, eds, lds, rds")
+
+
+class XdsClients(BaseModel):
+    clients: list[XdsClientOut]

@@ -1,0 +1,331 @@
+"""Operator state that survives a restart, in SQLite (stdlib ``sqlite3``).
+
+What is stored is what an operator set through the admin API, nothing the
+control plane can recompute: endpoints registered by API, pins, drains, and
+the active weight and pick policies with their parameters.
+
+* **One writer.** One connection, opened and used only by one dedicated
+  thread (a single-thread executor): every read and write goes through it, in
+  order, off the event loop. ``await store.set_pin(...)`` returns once the
+  change is committed.
+* **WAL** journal, ``synchronous=FULL``: a committed change survives a crash
+  of the process or the machine.
+* **Versioned schema.** ``PRAGMA user_version`` is the number of migrations
+  applied; ``MIGRATIONS`` are ordered functions, each run in its own
+  transaction. A database written by a newer inferlb (a higher version) is
+  refused, never downgraded.
+* **Loud failures.** A file that is not a database, fails the integrity
+  check, or cannot be created or written raises :class:`StoreError` naming
+  the file and the problem; ``python -m control_plane`` turns it into a
+  startup error (exit code 2). Nothing is ever deleted or recreated to get
+  past an error.
+
+At startup :meth:`Store.load` returns an :class:`OperatorState` and
+:func:`restore` folds it into the controller's initial ``FleetState``, before
+the first xDS push: Envoy never sees a moment of unpinned or undrained state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from .model import MAX_WEIGHT, MIN_WEIGHT, Endpoint, FleetState, PickPolicySpec
+
+log = logging.getLogger("inferlb.control_plane.store")
+
+DB_NAME = "control-plane.db"
+PolicyKind = Literal["weight", "pick"]
+T = TypeVar("T")
+
+
+class StoreError(RuntimeError):
+    """The database cannot be used; the message names the file and the problem."""
+
+
+# --- schema ----------------------------------------------------------------------------------------
+
+
+def _migration_1(db: sqlite3.Connection) -> None:
+    db.execute("""
+        CREATE TABLE endpoints (
+            id         TEXT PRIMARY KEY,
+            address    TEXT NOT NULL,
+            port       INTEGER NOT NULL CHECK (port BETWEEN 1 AND 65535),
+            created_at REAL NOT NULL
+        )""")
+    db.execute(f"""
+        CREATE TABLE endpoint_overrides (
+            id            TEXT PRIMARY KEY,
+            pinned_weight INTEGER CHECK (pinned_weight IS NULL OR pinned_weight BETWEEN {MIN_WEIGHT} AND {MAX_WEIGHT}),
+            draining      INTEGER NOT NULL DEFAULT 0 CHECK (draining IN (0, 1)),
+            updated_at    REAL NOT NULL
+        )""")
+    db.execute("""
+        CREATE TABLE policies (
+            kind       TEXT PRIMARY KEY CHECK (kind IN ('weight', 'pick')),
+            name       TEXT NOT NULL,
+            params     TEXT NOT NULL,
+            updated_at REAL NOT NULL
+        )""")
+    db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+
+
+# Ordered: MIGRATIONS[i] takes the schema from version i to i + 1. Append only.
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1,)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+# --- what is stored --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredPolicy:
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Override:
+    pinned_weight: int | None = None
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class OperatorState:
+    """Everything in the database, as plain values."""
+
+    endpoints: tuple[tuple[str, int], ...] = ()  # registered by API: (address, port), in registration order
+    overrides: Mapping[str, Override] = field(default_factory=dict)  # endpoint id -> pin / drain
+    weight_policy: StoredPolicy | None = None
+    pick_policy: StoredPolicy | None = None
+
+
+def restore(state: FleetState, stored: OperatorState) -> FleetState:
+    """``state`` (the static endpoints from the config) with the operator's state folded in.
+
+    API endpoints already listed statically stay static. Overrides of endpoints
+    that no longer exist (a static endpoint dropped from the config) are kept
+    in the database, logged, and not applied. The pick policy is applied here;
+    the weight policy is the controller's (see ``__main__``).
+    """
+    endpoints = list(state.endpoints)
+    known = {e.id for e in endpoints}
+    for address, port in stored.endpoints:
+        endpoint = Endpoint(address=address, port=port, source="api")
+        if endpoint.id in known:
+            log.warning("registered endpoint is also static in the config: static wins",
+                        extra={"endpoint": endpoint.id})
+            continue
+        known.add(endpoint.id)
+        endpoints.append(endpoint)
+    for endpoint_id in sorted(set(stored.overrides) - known):
+        log.warning("stored pin/drain for an endpoint that no longer exists: kept, not applied",
+                    extra={"endpoint": endpoint_id})
+    endpoints = [
+        dataclasses.replace(e, pinned_weight=o.pinned_weight, draining=o.draining)
+        if (o := stored.overrides.get(e.id)) is not None else e
+        for e in endpoints
+    ]
+    state = dataclasses.replace(state, endpoints=tuple(endpoints))
+    if stored.pick_policy is not None:
+        state = dataclasses.replace(state, pick_policy=PickPolicySpec(stored.pick_policy.name,
+                                                                      dict(stored.pick_policy.params)))
+    return state
+
+
+# --- the store -------------------------------------------------------------------------------------
+
+
+class Store:
+    """The control plane's SQLite database; see the module docstring. Use :meth:`open`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferlb-store")
+        self._db: sqlite3.Connection | None = None
+
+    @classmethod
+    def open(cls, data_dir: Path | str, name: str = DB_NAME) -> Store:
+        """Open (creating the directory and the file when missing), check and migrate; or StoreError."""
+        data_dir = Path(data_dir)
+        path = data_dir / name
+        store = cls(path)
+        try:
+            store._call(lambda: store._open(data_dir))
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        def _close() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+        try:
+            self._executor.submit(_close).result()
+        except RuntimeError:  # executor already shut down
+            pass
+        self._executor.shutdown(wait=True)
+
+    # -- plumbing: everything runs on the store's one thread ---------------------------------------
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the store thread and wait (startup, tests)."""
+        return self._executor.submit(self._guarded, fn).result()
+
+    async def _acall(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._guarded, fn)
+
+    def _guarded(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except StoreError:
+            raise
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: {exc}") from exc
+        except OSError as exc:
+            raise StoreError(f"{self.path}: {exc.strerror or exc}") from exc
+
+    def _write(self, statements: Callable[[sqlite3.Connection], None]) -> None:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            statements(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise StoreError(f"{self.path}: the store is closed")
+        return self._db
+
+    def _open(self, data_dir: Path) -> None:
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot create the data directory {data_dir}: "
+                             f"{exc.strerror or exc}") from exc
+        if self.path.exists() and not self.path.is_file():
+            raise StoreError(f"{self.path}: exists and is not a file")
+        try:
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot open the database: {exc}") from exc
+        self._db = db
+        try:
+            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA foreign_keys=ON")
+            check = db.execute("PRAGMA quick_check").fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.path}: not a usable SQLite database ({exc}); "
+                             "move it away to start from empty state") from exc
+        if [row[0] for row in check] != ["ok"]:
+            problems = "; ".join(str(row[0]) for row in check[:5])
+            raise StoreError(f"{self.path}: the database is corrupt ({problems}); "
+                             "move it away to start from empty state")
+        if str(mode).lower() != "wal":
+            log.warning("SQLite did not switch to WAL", extra={"path": str(self.path), "journal_mode": mode})
+        self._migrate(db)
+        # A write on every start: a read-only file or directory fails here, at startup, not at the first PUT.
+        try:
+            self._write(lambda c: c.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('opened_at', ?)",
+                                            (repr(time.time()),)))
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: the database is not writable: {exc}") from exc
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise StoreError(f"{self.path}: schema version {version} was written by a newer inferlb; this one "
+                             f"knows versions up to {SCHEMA_VERSION} and will not downgrade it")
+        for target in range(version + 1, SCHEMA_VERSION + 1):
+            def step(c: sqlite3.Connection, target: int = target) -> None:
+                MIGRATIONS[target - 1](c)
+                c.execute(f"PRAGMA user_version = {int(target)}")
+            try:
+                self._write(step)
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: migration to schema version {target} failed: {exc}") from exc
+            log.info("store migrated", extra={"path": str(self.path), "schema_version": target})
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def schema_version(self) -> int:
+        return self._call(lambda: self._conn().execute("PRAGMA user_version").fetchone()[0])
+
+    def load(self) -> OperatorState:
+        """Everything stored (call at startup, before the first push)."""
+        return self._call(self._load)
+
+    def _load(self) -> OperatorState:
+        db = self._conn()
+        endpoints = tuple((str(a), int(p)) for a, p in
+                          db.execute("SELECT address, port FROM endpoints ORDER BY created_at, id"))
+        overrides = {str(i): Override(None if w is None else int(w), bool(d)) for i, w, d in
+                     db.execute("SELECT id, pinned_weight, draining FROM endpoint_overrides ORDER BY id")}
+        policies: dict[str, StoredPolicy] = {}
+        for kind, name, params in db.execute("SELECT kind, name, params FROM policies"):
+            try:
+                decoded = json.loads(params)
+            except ValueError as exc:
+                raise StoreError(f"{self.path}: stored {kind} policy parameters are not JSON: {exc}") from exc
+            if not isinstance(decoded, dict):
+                raise StoreError(f"{self.path}: stored {kind} policy parameters are not an object")
+            policies[kind] = StoredPolicy(str(name), decoded)
+        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"))
+
+    # -- writing (each returns once committed) ----------------------------------------------------
+
+    async def add_endpoint(self, address: str, port: int) -> None:
+        endpoint_id = Endpoint(address=address, port=port).id
+
+        def statements(db: sqlite3.Connection) -> None:
+            db.execute("INSERT OR REPLACE INTO endpoints (id, address, port, created_at) VALUES (?, ?, ?, ?)",
+                       (endpoint_id, address, port, time.time()))
+            db.execute("DELETE FROM endpoint_overrides WHERE id = ?", (endpoint_id,))
+
+        await self._acall(lambda: self._write(statements))
+
+    async def remove_endpoint(self, endpoint_id: str) -> None:
+        """Forget a registration and its pin and drain."""
+        def statements(db: sqlite3.Connection) -> None:
+            db.execute("DELETE FROM endpoints WHERE id = ?", (endpoint_id,))
+            db.execute("DELETE FROM endpoint_overrides WHERE id = ?", (endpoint_id,))
+
+        await self._acall(lambda: self._write(statements))
+
+    async def set_override(self, endpoint_id: str, pinned_weight: int | None, draining: bool) -> None:
+        """The endpoint's pin and drain state, both (a row with neither is deleted)."""
+        def statements(db: sqlite3.Connection) -> None:
+            if pinned_weight is None and not draining:
+                db.execute("DELETE FROM endpoint_overrides WHERE id = ?", (endpoint_id,))
+            else:
+                db.execute("INSERT OR REPLACE INTO endpoint_overrides (id, pinned_weight, draining, updated_at) "
+                           "VALUES (?, ?, ?, ?)", (endpoint_id, pinned_weight, int(draining), time.time()))
+
+        await self._acall(lambda: self._write(statements))
+
+    async def set_policies(self, policies: Mapping[PolicyKind, StoredPolicy]) -> None:
+        """Set the weight and/or pick policy, together in one transaction."""
+        rows = [(kind, p.name, json.dumps(dict(p.params), sort_keys=True, allow_nan=False), time.time())
+                for kind, p in policies.items()]
+
+        def statements(db: sqlite3.Connection) -> None:
+            db.executemany("INSERT OR REPLACE INTO policies (kind, name, params, updated_at) VALUES (?, ?, ?, ?)",
+                           rows)
+
+        await self._acall(lambda: self._write(statements))

@@ -1,0 +1,1 @@
+"""Worked examples (importable as ``examples.*`` from the repository root)."""

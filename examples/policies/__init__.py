@@ -1,0 +1,9 @@
+"""Example routing policies, loadable by ``module:attribute``:
+
+* ``examples.policies.sticky_session:StickySessionPolicy`` (a pick policy, ext_proc):
+  the same ``x-session-id`` to the same worker, with bounded load.
+* ``examples.policies.canary:CanaryWeightPolicy`` (a weight policy, control plane):
+  one canary worker at a fixed share of the traffic.
+
+Each is a small, documented module with its tests in ``tests/test_example_policies.py``.
+"""

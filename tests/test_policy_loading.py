@@ -1,0 +1,286 @@
+"""Loading user policies: ``module:attribute`` specs, the ``inferlb.policies`` entry-point group, parameter
+validation, clear errors, and the descriptions ``GET /v1/policy`` lists. No servers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView, make_weight_policy
+from control_plane.policy_loading import describe_weight_policies
+from examples.policies.canary import CanaryParams, CanaryWeightPolicy
+from examples.policies.sticky_session import StickySessionParams, StickySessionPolicy
+from ext_proc.policies import LeastCompletionTime, make_pick_policy
+from ext_proc.policy_loading import ContainedPickPolicy, describe_pick_policies
+from inferlb.runtime import plugins
+from inferlb.runtime.plugins import BadPolicyParams, PolicyNotFound
+
+ROOT = Path(__file__).resolve().parents[1]
+CANARY = "examples.policies.canary:CanaryWeightPolicy"
+STICKY = "examples.policies.sticky_session:StickySessionPolicy"
+
+USER_MODULE = '''
+"""User policies for the loading tests."""
+from dataclasses import dataclass
+
+
+class DoubleWeight:
+    """Every endpoint at twice its current weight (capped)."""
+    kind = "weight"
+    name = "double"
+
+    def __init__(self, cap: int = 1000, floor: float = 1.0):
+        self.cap, self.floor = cap, floor
+
+    def compute(self, view):
+        return {e.id: min(self.cap, e.weight * 2) for e in view.endpoints}
+
+
+class FirstPick:
+    """The first candidate, always."""
+    kind = "pick"
+    name = "first"
+
+    def rank(self, request, candidates):
+        return [c.endpoint.id for c in candidates]
+
+
+@dataclass(frozen=True)
+class BoostParams:
+    boost: int = 2
+    mode: str = "fast"
+
+
+class Boost:
+    """A weight policy with a Params dataclass."""
+    kind = "weight"
+    Params = BoostParams
+
+    def __init__(self, params):
+        self.params = params
+
+    def compute(self, view):
+        return {e.id: 100 * self.params.boost for e in view.endpoints}
+
+
+def make_first(**params):
+    """A factory taking any keyword."""
+    policy = FirstPick()
+    policy.extra = params
+    return policy
+
+
+class Nameless:
+    def rank(self, request, candidates):
+        return [c.endpoint.id for c in candidates]
+
+
+class NoMethods:
+    kind = "weight"
+
+
+class NoKind:
+    def compute(self, view):
+        return {}
+
+
+ready_made = FirstPick()
+'''
+
+
+@pytest.fixture()
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``userpol`` importable from a temporary directory (and a module that fails to import)."""
+    name = f"userpol_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(USER_MODULE))
+    (tmp_path / f"{name}_broken.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.fixture()
+def entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, user_module: str) -> str:
+    """A real distribution on sys.path (a dist-info directory) registering policies in ``inferlb.policies``."""
+    dist = tmp_path / "inferlb_test_policies-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: inferlb-test-policies\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent(f"""\
+        [inferlb.policies]
+        my_double = {user_module}:DoubleWeight
+        my_boost = {user_module}:Boost
+        my_first = {user_module}:FirstPick
+        my_sticky = {STICKY}
+        not_loadable = {user_module}_missing:Nothing
+        no_kind = {user_module}:NoKind
+        """))
+    return user_module
+
+
+def fleet(*ids: str, weight: int = 100) -> FleetView:
+    return FleetView(tuple(EndpointView(id=i, weight=weight) for i in ids), now=0.0)
+
+
+# --- module:attribute -----------------------------------------------------------------------------
+
+
+def test_a_weight_policy_loads_from_module_attribute_with_validated_params() -> None:
+    policy = make_weight_policy(CANARY, {"endpoint": "10.0.0.1:8000", "share": 0.1})
+    assert isinstance(policy, CanaryWeightPolicy)
+    assert policy.params == CanaryParams(endpoint="10.0.0.1:8000", share=0.1)
+    assert policy.name == "canary"
+    weights = policy.compute(fleet("10.0.0.1:8000", "10.0.0.2:8000"))
+    assert weights == {"10.0.0.1:8000": 11, "10.0.0.2:8000": 100}
+
+
+def test_a_pick_policy_loads_from_module_attribute_contained_with_json_ish_params() -> None:
+    # Numbers in xDS metadata arrive as doubles: 1.0 is a fine integer.
+    policy = make_pick_policy(STICKY, {"fallbacks": 1.0, "load_factor": 2, "seed": 7.0})
+    assert isinstance(policy, ContainedPickPolicy)
+    assert isinstance(policy.inner, StickySessionPolicy)
+    assert policy.params == StickySessionParams(fallbacks=1, load_factor=2.0, seed=7)
+    assert policy.name == "sticky_session"
+    # Built-ins are not wrapped: their hot path is unchanged.
+    assert type(make_pick_policy("least_completion_time")) is LeastCompletionTime
+
+
+def test_classes_factories_and_instances_load(user_module: str) -> None:
+    double = make_weight_policy(f"{user_module}:DoubleWeight", {"cap": 150.0})
+    assert double.compute(fleet("a:1")) == {"a:1": 150} and double.cap == 150
+    boost = make_weight_policy(f"{user_module}:Boost", {"boost": 3})
+    assert boost.params.boost == 3 and boost.params.mode == "fast"
+    factory = make_pick_policy(f"{user_module}:make_first", {"anything": "goes"})
+    assert factory.inner.extra == {"anything": "goes"}
+    ready = make_pick_policy(f"{user_module}:ready_made")
+    assert ready.inner.name == "first"
+    nameless = make_pick_policy(f"{user_module}:Nameless")
+    assert nameless.name == f"{user_module}:Nameless"  # labelled by its spec in metrics and logs
+
+
+@pytest.mark.parametrize("spec, params, error, message", [
+    ("no_such_package.policies:Policy", {}, PolicyNotFound, r"no module named 'no_such_package'"),
+    ("examples.policies.nope:Policy", {}, PolicyNotFound, r"no module named 'examples.policies.nope'"),
+    ("examples.policies.canary:Nope", {}, PolicyNotFound, r"module 'examples.policies.canary' has no attribute 'Nope'"),
+    (STICKY, {}, PolicyNotFound, r"is a pick policy, not a weight policy"),
+    ("json:JSONDecodeError", {}, PolicyNotFound, r"class JSONDecodeError has no compute\(\) method"),
+    ("os:sep", {}, PolicyNotFound, r"not a weight policy"),
+    ("fastest", {}, PolicyNotFound, r"unknown weight policy 'fastest'.*capacity, equal.*entry-point group"),
+    ("not a spec:", {}, PolicyNotFound, r"unknown weight policy"),
+    (CANARY, {}, BadPolicyParams, r"missing required parameter\(s\) endpoint"),
+    (CANARY, {"endpoint": "a:1", "shar": 0.1}, BadPolicyParams, r"unknown parameter\(s\) shar; accepted: endpoint, share"),
+    (CANARY, {"endpoint": "a:1", "share": "big"}, BadPolicyParams, r"'share': expected a finite number"),
+    (CANARY, {"endpoint": "a:1", "share": float("nan")}, BadPolicyParams, r"'share': expected a finite number"),
+    (CANARY, {"endpoint": "a:1", "share": 0.9}, BadPolicyParams, r"share must be in \(0, 0.5\]"),
+    (CANARY, {"endpoint": 7}, BadPolicyParams, r"'endpoint': expected a string"),
+    (CANARY, ["endpoint"], BadPolicyParams, r"params must be an object"),
+    ("capacity", {"max_step": 1.0}, BadPolicyParams, r"max_step"),
+])
+def test_bad_weight_specs_say_what_is_wrong(spec: str, params: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        make_weight_policy(spec, params)  # type: ignore[arg-type]
+    assert issubclass(error, ValueError)  # callers that catch ValueError keep working
+
+
+def test_bad_user_modules_say_what_is_wrong(user_module: str) -> None:
+    with pytest.raises(PolicyNotFound, match=r"importing '.*_broken' failed: RuntimeError: boom at import"):
+        make_weight_policy(f"{user_module}_broken:Policy")
+    with pytest.raises(PolicyNotFound, match=r"NoMethods has no compute\(\)"):
+        make_weight_policy(f"{user_module}:NoMethods")
+    with pytest.raises(BadPolicyParams, match=r"unexpected keyword argument 'speed'.*accepted: cap, floor"):
+        make_weight_policy(f"{user_module}:DoubleWeight", {"speed": 2})
+    with pytest.raises(BadPolicyParams, match=r"'boost': expected an integer, got 2.5"):
+        make_weight_policy(f"{user_module}:Boost", {"boost": 2.5})
+    with pytest.raises(BadPolicyParams, match=r"'boost': expected an integer, got True"):
+        make_weight_policy(f"{user_module}:Boost", {"boost": True})
+    with pytest.raises(BadPolicyParams, match=r"ready-made instance and takes no parameters"):
+        make_pick_policy(f"{user_module}:ready_made", {"x": 1})
+    with pytest.raises(PolicyNotFound, match=r"is a weight policy, not a pick policy"):
+        make_pick_policy(f"{user_module}:Boost")
+    with pytest.raises(PolicyNotFound, match=r"unknown pick policy 'nope'; built-in: least_completion_time"):
+        make_pick_policy("nope")
+    with pytest.raises(BadPolicyParams, match=r"least_completion_time: param 'd' must be >= 1"):
+        make_pick_policy("least_completion_time", {"d": 0})
+
+
+# --- entry points ---------------------------------------------------------------------------------
+
+
+def test_policies_load_by_entry_point_name(entry_points: str) -> None:
+    double = make_weight_policy("my_double", {"cap": 120})
+    assert double.compute(fleet("a:1")) == {"a:1": 120}
+    assert make_weight_policy("my_boost", {"boost": 4}).params.boost == 4
+    first = make_pick_policy("my_first")
+    assert isinstance(first, ContainedPickPolicy) and first.name == "first"
+    sticky = make_pick_policy("my_sticky", {"load_factor": 3})
+    assert sticky.params.load_factor == 3.0
+    # A built-in name always means the built-in.
+    assert isinstance(make_weight_policy("capacity"), CapacityWeightPolicy)
+
+
+def test_entry_point_errors_are_clear(entry_points: str) -> None:
+    with pytest.raises(PolicyNotFound, match=r"entry point 'my_first' .* declares kind='pick', not 'weight'"):
+        make_weight_policy("my_first")
+    with pytest.raises(PolicyNotFound, match=r"entry point 'not_loadable' .* failed to load: ModuleNotFoundError"):
+        make_weight_policy("not_loadable")
+    with pytest.raises(PolicyNotFound, match=r"entry point 'no_kind' .* declares kind=None"):
+        make_weight_policy("no_kind")
+    with pytest.raises(BadPolicyParams, match=r"weight policy 'my_boost': unknown parameter\(s\) turbo"):
+        make_weight_policy("my_boost", {"turbo": 1})
+
+
+def test_descriptions_list_builtins_and_entry_points_with_schemas(entry_points: str) -> None:
+    weight = {d["name"]: d for d in describe_weight_policies()}
+    assert list(weight)[:2] == ["capacity", "equal"]
+    assert weight["capacity"]["source"] == "builtin"
+    assert weight["capacity"]["params_schema"]["additionalProperties"] is False
+    assert weight["capacity"]["params_schema"]["properties"]["max_step"]["default"] == 1.5
+    assert weight["my_boost"]["source"] == "entry_point"
+    assert weight["my_boost"]["summary"] == "A weight policy with a Params dataclass."
+    assert weight["my_boost"]["params_schema"]["properties"]["boost"] == {"default": 2, "title": "Boost",
+                                                                           "type": "integer"}
+    assert weight["my_double"]["params_schema"]["properties"]["cap"] == {"type": "integer", "default": 1000}
+    assert {"my_first", "my_sticky", "not_loadable", "no_kind"}.isdisjoint(weight)
+    pick = {d["name"]: d for d in describe_pick_policies()}
+    assert {"least_completion_time", "round_robin", "least_outstanding", "p2c_tokens"} <= set(pick)
+    assert pick["least_completion_time"]["params_schema"]["properties"]["d"]["default"] == 4
+    assert pick["my_sticky"]["params_schema"]["properties"]["load_factor"]["default"] == 1.25
+    # The control plane can list entry-point pick policies without ext_proc (see pick_catalogue.py).
+    assert [d["name"] for d in plugins.describe_entry_points("pick")] == ["my_first", "my_sticky"]
+    json.dumps([*weight.values(), *pick.values()])  # all JSON
+
+
+def test_a_spec_describes_itself() -> None:
+    described = plugins.describe("weight", CANARY, plugins.load_object(CANARY), "spec")
+    assert described["params_schema"]["required"] == ["endpoint"]
+    assert described["summary"].startswith("One canary worker at a fixed share")
+
+
+# --- the services stay apart ----------------------------------------------------------------------
+
+
+def test_loading_keeps_the_services_apart() -> None:
+    """The control plane may import a pick policy's module (to describe it) without importing ext_proc."""
+    code = textwrap.dedent(f"""
+        import sys
+        import control_plane.policy_loading, control_plane.controller
+        from inferlb.runtime import plugins
+        plugins.describe("pick", {STICKY!r}, plugins.load_object({STICKY!r}), "spec")
+        assert not [m for m in sys.modules if m.split(".")[0] == "ext_proc"], "control plane imported ext_proc"
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+    code = textwrap.dedent("""
+        import sys
+        import ext_proc.policy_loading, ext_proc.server, ext_proc.metrics
+        assert not [m for m in sys.modules if m.split(".")[0] == "control_plane"], "ext_proc imported control_plane"
+    """)
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+def test_the_control_plane_command_takes_a_spec_and_refuses_bad_params() -> None:
+    bad = subprocess.run([sys.executable, "-m", "control_plane", "--weight-policy", CANARY], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "missing required parameter(s) endpoint" in bad.stderr
