@@ -143,19 +143,24 @@ class WeightPolicyGuard:
         # A built-in is not timed: it is tested, and the fallback would be the same work again.
         self.budget_s = math.inf if builtin else (WEIGHT_BUDGET_S if budget_s is None else budget_s)
         self.falls_back_to_itself = type(policy) is type(self.default)
-        self.max_consecutive = MAX_CONSECUTIVE if max_consecutive is None else max_consecutive
-        self.cooldown_s = COOLDOWN_S if cooldown_s is None else cooldown_s
-        self._clock = clock
         self._timer = timer
+        self.streak = plugins.FailureStreak(
+            self.name, what="weight",
+            max_consecutive=MAX_CONSECUTIVE if max_consecutive is None else max_consecutive,
+            cooldown_s=COOLDOWN_S if cooldown_s is None else cooldown_s,
+            log_interval_s=LOG_INTERVAL_S if log_interval_s is None else log_interval_s,
+            clock=clock, logger=log,
+        )
         self._log = plugins.LogLimiter(LOG_INTERVAL_S if log_interval_s is None else log_interval_s, clock)
-        self.failures: dict[str, int] = {}  # reason -> count (also sent to the observer)
-        self.consecutive = 0
-        self.suspended_until = -math.inf
         self.last_used = self.name  # which policy produced the latest weights (its name, or the default's)
 
     @property
     def suspended(self) -> bool:
-        return self._clock() < self.suspended_until
+        return self.streak.suspended
+
+    @property
+    def failures(self) -> dict[str, int]:
+        return self.streak.failures
 
     def compute(self, view: FleetView, observer: object = None) -> dict[str, int]:
         """The round's weights: the policy's, or the fallback's when it fails (never raises)."""
@@ -173,32 +178,14 @@ class WeightPolicyGuard:
         if spent > self.budget_s:
             return self._failed(view, observer, "slow",
                                 f"compute() took {spent * 1000:.1f} ms, over its {self.budget_s * 1000:.0f} ms budget")
-        self.consecutive = 0
+        self.streak.succeeded()
         self.last_used = self.name
         return weights
 
     def _failed(self, view: FleetView, observer: object, reason: str, detail: str) -> dict[str, int]:
-        self.failures[reason] = self.failures.get(reason, 0) + 1
         report = getattr(observer, "policy_failure", None)
-        if callable(report):
-            try:
-                report(self.name, reason)
-            except Exception:
-                log.exception("policy failure observer failed")
-        self.consecutive += 1
-        suspend = self.consecutive >= self.max_consecutive
-        if suspend:
-            self.consecutive = 0
-            self.suspended_until = self._clock() + self.cooldown_s
-        held = self._log.allow(reason)
-        if held is not None:
-            log.error("weight policy failed; the default policy computes this round's weights",
-                      extra={"policy": self.name, "reason": reason, "detail": detail,
-                             "similar_failures_not_logged": held,
-                             "suspended_for_s": self.cooldown_s if suspend else 0})
-        elif suspend and self._log.allow(("suspended",)) is not None:
-            log.error("weight policy suspended after failing rounds in a row",
-                      extra={"policy": self.name, "reason": reason, "suspended_for_s": self.cooldown_s})
+        self.streak.failed(reason, detail, report if callable(report) else None,
+                           "weight policy failed; the default policy computes this round's weights")
         return self._fallback(view, observer)
 
     def _fallback(self, view: FleetView, observer: object) -> dict[str, int]:

@@ -19,7 +19,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -28,7 +28,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .policy_loading import set_failure_observer
 
 PREFIX = "inferlb_ext_proc_"
 # A decision is tens of microseconds; a slow one (a huge body tokenised in a thread) tens of ms.
@@ -181,12 +180,11 @@ class ExtProcMetrics:
         self.xds_connects = Counter(f"{PREFIX}xds_connects", "ADS streams established.", registry=r)
         self.policy_switches = Counter(f"{PREFIX}policy_switches", "Pick-policy changes, by result.",
                                        ["result"], registry=r)
-        # User pick policies report contained failures here (ext_proc/policy_loading.py).
+        # User pick policies report contained failures here (through the Picker's failure_observer).
         self.policy_failures = Counter(f"{PREFIX}policy_failures",
                                        "User pick-policy decisions contained (the default policy decided, or "
                                        "over the time budget), by policy and reason.", ["policy", "reason"],
                                        registry=r)
-        set_failure_observer(self.policy_failure)
 
     def decision(self, policy: str, endpoint: str, seconds: float) -> None:
         key = (policy, endpoint)

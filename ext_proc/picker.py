@@ -73,8 +73,10 @@ class Picker:
         load_ttl_s: float = 1.0,
         mean_tokens_prior: float = 32.0,
         clock: Callable[[], float] = time.monotonic,
+        failure_observer: Callable[[str, str], None] | None = None,
     ) -> None:
         self.cost = cost
+        self.failure_observer = failure_observer  # told of contained user-policy failures
         self.outstanding = outstanding
         self.reported_load_key = reported_load_key
         self.load_ttl_s = load_ttl_s
@@ -91,7 +93,12 @@ class Picker:
         return self._policy
 
     def set_policy(self, policy: PickPolicy) -> None:
-        """Switch policy at run time; the next decision uses it."""
+        """Switch policy at run time; the next decision uses it.
+
+        A contained user policy (``ContainedPickPolicy``) without a failure observer gets the picker's.
+        """
+        if self.failure_observer is not None and getattr(policy, "observer", False) is None:
+            policy.observer = self.failure_observer  # type: ignore[attr-defined]
         self._policy = policy
         self._sample = getattr(policy, "sample", None)
 

@@ -30,7 +30,6 @@ and logged at most once per ``LOG_INTERVAL_S`` per reason. Nothing raises.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -50,13 +49,6 @@ LOG_INTERVAL_S = 60.0
 REASONS = ("error", "bad_type", "unknown_endpoint", "empty", "slow")
 
 FailureObserver = Callable[[str, str], None]  # (policy name, reason)
-_observer: FailureObserver | None = None
-
-
-def set_failure_observer(observer: FailureObserver | None) -> None:
-    """Where every contained policy reports its failures (the process's metrics; the latest call wins)."""
-    global _observer
-    _observer = observer
 
 
 # --- loading ----------------------------------------------------------------------------------------
@@ -118,12 +110,11 @@ class ContainedPickPolicy:
             default = builtin_pick_policies()[DEFAULT_PICK_POLICY].create()
         self.default = default
         self.budget_s = budget_s
-        self.max_consecutive = max_consecutive
-        self.cooldown_s = cooldown_s
         self.observer = observer
-        self._clock = clock
         self._timer = timer
-        self._log = plugins.LogLimiter(log_interval_s, clock)
+        self.streak = plugins.FailureStreak(self.name, what="pick", max_consecutive=max_consecutive,
+                                            cooldown_s=cooldown_s, log_interval_s=log_interval_s, clock=clock,
+                                            logger=log)
         sample = getattr(policy, "sample", None)
         self._inner_sample = sample if callable(sample) else None
         self._default_sample = getattr(default, "sample", None)
@@ -133,9 +124,6 @@ class ContainedPickPolicy:
         # the policy's time so far.
         self._fallback = False
         self._spent = 0.0
-        self.failures: dict[str, int] = {}
-        self.consecutive = 0
-        self.suspended_until = -math.inf
         self.decisions_by_default = 0
 
     @property
@@ -144,7 +132,11 @@ class ContainedPickPolicy:
 
     @property
     def suspended(self) -> bool:
-        return self._clock() < self.suspended_until
+        return self.streak.suspended
+
+    @property
+    def failures(self) -> dict[str, int]:
+        return self.streak.failures
 
     # -- PickPolicy (and EndpointSampler) --------------------------------------------------------
     def sample(self, request: RequestView, endpoints: Sequence[EndpointInfo]) -> Sequence[EndpointInfo]:
@@ -194,7 +186,7 @@ class ContainedPickPolicy:
             self._failed("slow", f"the policy took {spent * 1000:.2f} ms, over its {self.budget_s * 1000:.1f} ms "
                                  "budget (its pick was used)")
         else:
-            self.consecutive = 0
+            self.streak.succeeded()
         return ranked
 
     # -- failures ------------------------------------------------------------------------------
@@ -216,28 +208,9 @@ class ContainedPickPolicy:
         return self.default.rank(request, candidates)
 
     def _failed(self, reason: str, detail: str) -> None:
-        self.failures[reason] = self.failures.get(reason, 0) + 1
-        observer = self.observer or _observer
-        if observer is not None:
-            try:
-                observer(self.name, reason)
-            except Exception:
-                log.exception("policy failure observer failed")
-        self.consecutive += 1
-        suspend = self.consecutive >= self.max_consecutive
-        if suspend:
-            self.consecutive = 0
-            self.suspended_until = self._clock() + self.cooldown_s
-        held = self._log.allow(reason)
-        if held is not None:
-            log.error("pick policy failed; the default policy decides" if reason != "slow"
-                      else "pick policy over its time budget",
-                      extra={"policy": self.name, "reason": reason, "detail": detail,
-                             "similar_failures_not_logged": held,
-                             "suspended_for_s": self.cooldown_s if suspend else 0})
-        elif suspend and self._log.allow(("suspended",)) is not None:
-            log.error("pick policy suspended after failing decisions in a row; the default policy decides",
-                      extra={"policy": self.name, "reason": reason, "suspended_for_s": self.cooldown_s})
+        message = ("pick policy over its time budget" if reason == "slow"
+                   else "pick policy failed; the default policy decides")
+        self.streak.failed(reason, detail, self.observer, message)
 
 
 def _check_ranking(ranked: object, candidates: Sequence[Candidate]) -> tuple[str, str] | None:
@@ -273,5 +246,4 @@ __all__ = [
     "contain_pick_policy",
     "describe_pick_policies",
     "load_pick_policy",
-    "set_failure_observer",
 ]

@@ -354,7 +354,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """The servicer with a fresh cost model, outstanding ledger and picker (``default_policy`` until
         EDS names one; a bad default raises ValueError here, at start-up)."""
         cost, outstanding = CostModel(), Outstanding()
-        picker = Picker(make_pick_policy(default_policy.name, dict(default_policy.params)), cost, outstanding)
+        picker = Picker(make_pick_policy(default_policy.name, dict(default_policy.params)), cost, outstanding,
+                        failure_observer=metrics.policy_failure)
         servicer = cls(settings, source, counter, cost, outstanding, picker, metrics)
         servicer.policy_spec = default_policy
         return servicer

@@ -26,7 +26,7 @@ from ext_proc.model import Candidate, EndpointInfo, RequestView
 from ext_proc.outstanding import Outstanding
 from ext_proc.picker import Picker
 from ext_proc.policies import LeastCompletionTime, LeastCompletionTimeParams
-from ext_proc.policy_loading import ContainedPickPolicy, set_failure_observer
+from ext_proc.policy_loading import ContainedPickPolicy
 from tests.stack import prometheus_samples, sample
 
 
@@ -371,15 +371,12 @@ def test_pick_failures_are_logged_once_per_interval(caplog: pytest.LogCaptureFix
 
 def test_ext_proc_metrics_count_pick_policy_failures() -> None:
     metrics = ExtProcMetrics()
-    try:
-        wrapper = ContainedPickPolicy(ScriptedPick(boom))  # reports to the process's observer: the metrics
-        picker = Picker(wrapper, CostModel(), Outstanding())
-        for _ in range(3):
-            assert picker.decide(REQUEST, FLEET) is not None
-        samples = prometheus_samples(metrics.render().decode())
-        assert sample(samples, "inferlb_ext_proc_policy_failures_total", policy="scripted_pick", reason="error") == 3
-    finally:
-        set_failure_observer(None)
+    wrapper = ContainedPickPolicy(ScriptedPick(boom))  # the picker hands it the metrics as its observer
+    picker = Picker(wrapper, CostModel(), Outstanding(), failure_observer=metrics.policy_failure)
+    for _ in range(3):
+        assert picker.decide(REQUEST, FLEET) is not None
+    samples = prometheus_samples(metrics.render().decode())
+    assert sample(samples, "inferlb_ext_proc_policy_failures_total", policy="scripted_pick", reason="error") == 3
 
 
 def test_an_observer_that_raises_does_not_break_a_decision() -> None:

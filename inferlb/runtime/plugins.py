@@ -395,11 +395,62 @@ class LogLimiter:
         return self._held.pop(key, 0)
 
 
+class FailureStreak:
+    """A contained policy's failure record: counts per reason, reports to an observer,
+    suspends the policy after ``max_consecutive`` failures in a row for ``cooldown_s``,
+    and logs at most once per reason per interval.
+
+    Shared by the control plane's weight-policy guard and ext_proc's pick-policy wrapper.
+    """
+
+    def __init__(self, name: str, *, what: str, max_consecutive: int, cooldown_s: float, log_interval_s: float,
+                 clock: Callable[[], float], logger: logging.Logger) -> None:
+        self.name = name
+        self.what = what  # "weight" or "pick", for the log lines
+        self.max_consecutive = max_consecutive
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._log = LogLimiter(log_interval_s, clock)
+        self._logger = logger
+        self.failures: dict[str, int] = {}  # reason -> count (also sent to the observer)
+        self.consecutive = 0
+        self.suspended_until = -math.inf
+
+    @property
+    def suspended(self) -> bool:
+        return self._clock() < self.suspended_until
+
+    def succeeded(self) -> None:
+        self.consecutive = 0
+
+    def failed(self, reason: str, detail: str, report: Callable[[str, str], None] | None, message: str) -> None:
+        """Record one failure; ``message`` is the log line when this reason may be logged again."""
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+        if report is not None:
+            try:
+                report(self.name, reason)
+            except Exception:
+                self._logger.exception("policy failure observer failed")
+        self.consecutive += 1
+        suspend = self.consecutive >= self.max_consecutive
+        if suspend:
+            self.consecutive = 0
+            self.suspended_until = self._clock() + self.cooldown_s
+        held = self._log.allow(reason)
+        if held is not None:
+            self._logger.error(message, extra={"policy": self.name, "reason": reason, "detail": detail,
+                                               "similar_failures_not_logged": held,
+                                               "suspended_for_s": self.cooldown_s if suspend else 0})
+        elif suspend and self._log.allow(("suspended",)) is not None:
+            self._logger.error(f"{self.what} policy suspended after failing in a row; the default policy decides",
+                               extra={"policy": self.name, "reason": reason, "suspended_for_s": self.cooldown_s})
+
+
 def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-__all__ = ["GROUP", "BadPolicyParams", "LogLimiter", "PolicyNotFound", "build", "dataclass_schema", "describe",
+__all__ = ["GROUP", "BadPolicyParams", "FailureStreak", "LogLimiter", "PolicyNotFound", "build", "dataclass_schema", "describe",
            "describe_entry_points", "entry_point_objects", "find_entry_point", "instantiate", "is_spec",
            "load_object", "params_class", "params_schema", "parse_params", "resolve", "summary",
            "validate_params"]
