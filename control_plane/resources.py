@@ -168,6 +168,10 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
             response_trailer_mode=mode.SKIP,
         ),
         allow_mode_override=False,
+        # Not set: send_body_without_waiting_for_header_response. Envoy 1.40 honours it only with
+        # request_body_mode STREAMED (or FULL_DUPLEX_STREAMED); with BUFFERED it holds the body until
+        # the request-headers answer anyway, so it would change nothing. STREAMED would save that round
+        # trip but loses the buffer limit's 413 and sends large bodies as many messages.
         # Without this Envoy silently drops the dynamic metadata ext_proc returns,
         # and override_host would never see the pick under envoy.lb.
         metadata_options=ext_proc_pb2.MetadataOptions(
