@@ -50,6 +50,7 @@ bench: model  ## benchmarks (results go in docs/benchmarks.md)
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(BENCH_APT_PACKAGES)"
 	$(PY) scripts/bench_worker.py --json docs/bench_worker.json
 	$(PY) scripts/bench_xds.py --json docs/bench_xds.json
+	$(PY) scripts/bench_ext_proc.py --json docs/bench_ext_proc.json
 
 clean:  ## remove .venv and the data directory
 	rm -rf $(VENV) $(INFERLB_DATA_DIR)
