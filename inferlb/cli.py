@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from .bench.cli import add_bench_parser
 from .bootstrap import render_bootstrap
+from .sim.cli import add_sim_parser
 from .supervisor import Component, Supervisor
 
 CURL_EXAMPLE = """curl -s http://127.0.0.1:{port}/v1/embeddings \\
@@ -182,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ext-proc-metrics-port", type=int, default=defaults.ext_proc_metrics,
                     help="ext_proc /metrics (default 9090)")
     up.set_defaults(func=cmd_up)
+    add_bench_parser(sub)
+    add_sim_parser(sub)
     return parser
 
 

@@ -1,0 +1,223 @@
+"""A benchmark scenario: the fleet, the workload, the loads and the data planes to compare.
+
+One scenario file (TOML) drives both the live bench (``inferlb bench``) and the
+fleet simulator (``inferlb sim``), so the two can be compared on the same trace
+and seed. Every field has a default: an empty file is the issue's default
+scenario (8 emulated workers with speeds 1, 1, 1, 1, 0.5, 0.5, 0.25, 0.25).
+
+Emulated service time of a request of ``n`` tokens on a worker of speed ``s``::
+
+    (fixed_s + per_token_s * n) * cost_scale / s
+
+``fixed_s`` and ``per_token_s`` default to the fit of the real int8 model on
+this machine (``workers.simulated``); ``cost_scale`` stretches time so that the
+emulated fleet, not the 2-core host running it, is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+# The data-plane configurations the runner knows (issue 6, section 3). ``inferlb_pick:<name>``
+# runs inferlb + ext_proc with the named pick policy.
+CONFIGURATIONS = (
+    "envoy_round_robin",  # (a)
+    "envoy_least_request",  # (b)
+    "envoy_cswrr_orca",  # (c) client_side_weighted_round_robin fed by the workers' ORCA reports
+    "nginx_least_conn",  # (d)
+    "inferlb_weights",  # (e) control plane weights, no ext_proc
+    "inferlb_ext_proc",  # (f) weights + ext_proc's default pick policy
+)
+PICK_PREFIX = "inferlb_pick:"  # (g) e.g. "inferlb_pick:round_robin"
+
+# Fit of the int8 all-MiniLM-L6-v2 on one core here (same numbers as workers/simulated.py;
+# the bench and the simulator must not import the workers service, so they are repeated).
+MODEL_FIXED_S = 0.001
+MODEL_PER_TOKEN_S = 0.000114
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LengthBucket:
+    """``share`` of the requests have a token count drawn uniformly from [min_tokens, max_tokens].
+
+    Token counts include [CLS] and [SEP], as the worker and ext_proc count them.
+    """
+
+    share: float
+    min_tokens: int
+    max_tokens: int
+
+
+DEFAULT_MIX = (LengthBucket(0.70, 8, 32), LengthBucket(0.25, 64, 128), LengthBucket(0.05, 256, 256))
+
+
+@dataclass(frozen=True)
+class Workload:
+    mix: tuple[LengthBucket, ...] = DEFAULT_MIX
+    inputs_per_request: int = 1
+    arrival: Literal["poisson", "bursty"] = "poisson"
+    # bursty on/off: Poisson at rate * (on_s + off_s) / on_s during "on", nothing during "off"
+    burst_on_s: float = 1.0
+    burst_off_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    speed: float = 1.0
+    slots: int = 1  # requests served at once; the rest queue FIFO
+
+
+DEFAULT_SPEEDS = (1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.25, 0.25)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    workers: tuple[WorkerSpec, ...] = tuple(WorkerSpec(s) for s in DEFAULT_SPEEDS)
+    fixed_s: float = MODEL_FIXED_S
+    per_token_s: float = MODEL_PER_TOKEN_S
+    cost_scale: float = 4.0
+
+    def service_s(self, worker: int, tokens: int, speed: float | None = None) -> float:
+        """Emulated service seconds of one request of ``tokens`` tokens on worker ``worker``."""
+        s = self.workers[worker].speed if speed is None else speed
+        return (self.fixed_s + self.per_token_s * tokens) * self.cost_scale / s
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """The mid-run slowdown run: worker ``worker``'s speed is multiplied by ``factor`` at ``at_s``."""
+
+    worker: int = 0
+    factor: float = 0.25
+    at_s: float = 10.0
+    load: float = 0.7  # fraction of capacity for the slowdown run
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str = "default"
+    seed: int = 1
+    duration_s: float = 20.0  # of each measured run
+    warmup_s: float = 3.0  # sent, not measured
+    slo_s: float = 0.25  # goodput counts completions within this; capacity is where p99 crosses it
+    request_timeout_s: float = 10.0
+    # req/s at 100% load; 0: find it first, under inferlb_ext_proc (the issue's definition)
+    capacity_rps: float = 0.0
+    loads: tuple[float, ...] = (0.5, 0.7, 0.8, 0.9)
+    slowdown: Slowdown | None = field(default_factory=Slowdown)
+    workload: Workload = field(default_factory=Workload)
+    fleet: Fleet = field(default_factory=Fleet)
+    configurations: tuple[str, ...] = CONFIGURATIONS
+    # pick policies run as (g) at the "pick_policy_loads" only (keeps the full run under 30 minutes)
+    pick_policies: tuple[str, ...] = ()
+    pick_policy_loads: tuple[float, ...] = (0.8,)
+    # the simulator's knobs (inferlb sim); the live bench ignores them
+    scrape_interval_s: float = 0.5
+    ext_proc_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def _validate(s: Scenario) -> None:
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ScenarioError(message)
+
+    need(s.duration_s > 0 and s.warmup_s >= 0, "duration_s must be > 0 and warmup_s >= 0")
+    need(s.slo_s > 0 and s.request_timeout_s > 0, "slo_s and request_timeout_s must be > 0")
+    need(s.capacity_rps >= 0, "capacity_rps must be >= 0 (0: search for it)")
+    need(all(0 < x <= 2 for x in s.loads), "loads are fractions of capacity in (0, 2]")
+    need(len(s.fleet.workers) >= 1, "fleet.workers needs at least one worker")
+    need(all(w.speed > 0 and w.slots >= 1 for w in s.fleet.workers), "every worker needs speed > 0 and slots >= 1")
+    need(s.fleet.cost_scale > 0 and s.fleet.fixed_s >= 0 and s.fleet.per_token_s >= 0,
+         "fleet.cost_scale must be > 0 and the costs >= 0")
+    mix = s.workload.mix
+    need(len(mix) >= 1 and all(b.share > 0 and 1 <= b.min_tokens <= b.max_tokens <= 256 for b in mix),
+         "workload.mix buckets need share > 0 and 1 <= min_tokens <= max_tokens <= 256")
+    need(abs(sum(b.share for b in mix) - 1.0) < 1e-6, "workload.mix shares must add up to 1")
+    need(s.workload.inputs_per_request >= 1, "workload.inputs_per_request must be >= 1")
+    need(s.workload.burst_on_s > 0 and s.workload.burst_off_s >= 0, "burst_on_s must be > 0, burst_off_s >= 0")
+    for c in s.configurations:
+        need(c in CONFIGURATIONS or (c.startswith(PICK_PREFIX) and len(c) > len(PICK_PREFIX)),
+             f"unknown configuration {c!r}; known: {', '.join(CONFIGURATIONS)}, {PICK_PREFIX}<policy>")
+    if s.slowdown is not None:
+        need(0 <= s.slowdown.worker < len(s.fleet.workers), "slowdown.worker is not a worker index")
+        need(s.slowdown.factor > 0 and s.slowdown.at_s >= 0, "slowdown.factor must be > 0 and at_s >= 0")
+    need(s.scrape_interval_s > 0 and s.ext_proc_replicas >= 1, "scrape_interval_s > 0, ext_proc_replicas >= 1")
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    """A frozen dataclass from a TOML table: unknown keys and wrong types are refused by name."""
+    if not isinstance(data, Mapping):
+        raise ScenarioError(f"{where or 'scenario'} must be a table")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ScenarioError(f"{where or 'scenario'}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    values: dict[str, Any] = {}
+    for name, value in data.items():
+        path = f"{where}.{name}" if where else name
+        spec = known[name]
+        if spec.default is not MISSING:
+            default = spec.default
+        elif spec.default_factory is not MISSING:
+            default = spec.default_factory()
+        else:  # required field: its type annotation tells (LengthBucket's numbers)
+            default = 0.0 if spec.type in ("float", float) else 0
+        values[name] = _convert(name, value, default, path)
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ScenarioError(f"{where or 'scenario'}: {exc}") from None
+
+
+def _convert(name: str, value: Any, default: Any, path: str) -> Any:
+    if name == "mix":
+        if not isinstance(value, list):
+            raise ScenarioError(f"{path} must be an array of tables")
+        return tuple(_build(LengthBucket, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if name == "workers" and isinstance(value, list):
+        return tuple(_build(WorkerSpec, v, f"{path}[{i}]") if isinstance(v, Mapping) else WorkerSpec(float(v))
+                     for i, v in enumerate(value))
+    if name == "slowdown":
+        return None if value is False else _build(Slowdown, value, path)
+    if is_dataclass(default):
+        return _build(type(default), value, path)
+    if isinstance(default, tuple):
+        if not isinstance(value, list):
+            raise ScenarioError(f"{path} must be an array")
+        return tuple(value)
+    if isinstance(default, bool) or isinstance(default, str):
+        if type(value) is not type(default):
+            raise ScenarioError(f"{path} must be a {type(default).__name__}, got {value!r}")
+        return value
+    if isinstance(default, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ScenarioError(f"{path} must be a number, got {value!r}")
+        return type(default)(value) if isinstance(default, float) or value == int(value) else value
+    return value
+
+
+def scenario_from_mapping(data: Mapping[str, Any]) -> Scenario:
+    return _build(Scenario, data, "")
+
+
+def load_scenario(path: Path | None) -> Scenario:
+    """The scenario in ``path`` (TOML), or the default scenario when ``path`` is None."""
+    if path is None:
+        return Scenario()
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ScenarioError(f"cannot read scenario {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"scenario {path} is not valid TOML: {exc}") from None
+    return scenario_from_mapping(data)
