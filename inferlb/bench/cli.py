@@ -1,10 +1,31 @@
-"""``inferlb bench``: argument parsing only; the work lives in the bench modules (imported lazily)."""
+"""``inferlb bench``: argument parsing only.
+
+``inferlb bench load`` (one open-loop load against a URL) lives in
+``load_command.py``; ``inferlb bench run`` (a scenario against every data-plane
+configuration) in ``run_command.py``. Both keep heavy imports (matplotlib,
+httpx) inside their ``main`` so that ``inferlb --help`` stays fast.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+from . import load_command, run_command
+
 
 def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    bench = sub.add_parser("bench", help="benchmark harness: open-loop load and scenario runs")
-    bench.set_defaults(func=lambda args: (print("inferlb bench: not built yet"), 2)[1])
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark harness: open-loop load and scenario runs",
+        description="Open-loop load generation (no coordinated omission) and side-by-side scenario runs "
+        "of inferlb against Envoy's and NGINX's own balancers.",
+    )
+    commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH_COMMAND")
+    load = commands.add_parser("load", help="one open-loop load against a URL",
+                               description=load_command.DESCRIPTION)
+    load_command.add_arguments(load)
+    load.set_defaults(func=load_command.main)
+    run = commands.add_parser("run", help="run a scenario against each data-plane configuration",
+                              description=run_command.DESCRIPTION)
+    run_command.add_arguments(run)
+    run.set_defaults(func=run_command.main)

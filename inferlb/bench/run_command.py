@@ -1,0 +1,16 @@
+"""``inferlb bench run``: placeholder until it is built."""
+
+from __future__ import annotations
+
+import argparse
+
+DESCRIPTION = "not built yet"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def main(args: argparse.Namespace) -> int:
+    print("inferlb bench run: not built yet")
+    return 2
