@@ -143,6 +143,8 @@ def _validate(s: Scenario) -> None:
     need(len(mix) >= 1 and all(b.share > 0 and 1 <= b.min_tokens <= b.max_tokens <= 256 for b in mix),
          "workload.mix buckets need share > 0 and 1 <= min_tokens <= max_tokens <= 256")
     need(abs(sum(b.share for b in mix) - 1.0) < 1e-6, "workload.mix shares must add up to 1")
+    need(s.workload.arrival in ("poisson", "bursty"),
+         f"workload.arrival must be 'poisson' or 'bursty', got {s.workload.arrival!r}")
     need(s.workload.inputs_per_request >= 1, "workload.inputs_per_request must be >= 1")
     need(s.workload.burst_on_s > 0 and s.workload.burst_off_s >= 0, "burst_on_s must be > 0, burst_off_s >= 0")
     for c in s.configurations:
