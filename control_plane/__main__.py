@@ -9,8 +9,9 @@ import logging
 import logging.config
 import signal
 import sys
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import uvicorn
 from pydantic import ValidationError
@@ -19,14 +20,19 @@ from inferlb.runtime.http import EmbeddedServer
 from inferlb.runtime.logs import configure_json_logging
 
 from . import pick_catalogue
+from .autoscale import Autoscaler
 from .admin import AdminService, create_admin_app
 from .auth import AdminToken, TokenError, resolve_admin_token
 from .config import ControlPlaneConfig, load_config
 from .controller import Controller, initial_state
+from .discovery.service import start_discovery, stop_discovery
 from .metrics import ControlPlaneMetrics
+from .nginx.applier import NginxApplier
+from .nginx.process import NginxError
 from .policy import WeightPolicy, make_weight_policy
 from .scraper import Scraper, ScraperConfig
-from .store import OperatorState, Store, StoreError, restore
+from .store import OperatorState, OperatorStore, StoreError, open_store, restore
+from .store.follow import follow
 from .xds import SnapshotCache, serve_xds, stop_xds
 
 log = logging.getLogger("inferlb.control_plane")
@@ -55,7 +61,17 @@ def restored_policies(stored: OperatorState) -> tuple[WeightPolicy | None, Opera
     return weight, stored
 
 
-async def run(config: ControlPlaneConfig, store: Store | None = None, stored: OperatorState | None = None,
+async def start_nginx(config: ControlPlaneConfig, controller: Controller,
+                      metrics: ControlPlaneMetrics) -> NginxApplier:
+    """NGINX mode: render, validate and apply the first config (and start nginx), then follow the state."""
+    nginx = NginxApplier(config.nginx.settings(config.data_dir, controller.state.settings),
+                         lambda: controller.state, metrics)
+    await nginx.start()
+    controller.add_listener(nginx.mark)
+    return nginx
+
+
+async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, stored: OperatorState | None = None,
               token: AdminToken | None = None) -> None:
     cache = SnapshotCache()
     controller_ref: list[Controller] = []
@@ -65,7 +81,12 @@ async def run(config: ControlPlaneConfig, store: Store | None = None, stored: Op
     controller = Controller(config, cache, metrics, restore(initial_state(config), stored), weight_policy)
     controller_ref.append(controller)
     await controller.start()
-    service = AdminService(controller, store, deregistration_drain_s=config.deregistration_drain_s)
+    nginx = await start_nginx(config, controller, metrics) if config.nginx.enabled else None
+    service = AdminService(controller, store, deregistration_drain_s=config.deregistration_drain_s,
+                           stored_weight_policy=stored.weight_policy)
+    # Changes other replicas make in a shared store (SQLite: none; the task ends at once).
+    follower = None if store is None else asyncio.create_task(
+        follow(store, service.reload_from_store, metrics, config.store_reload_interval_s), name="store-follower")
 
     xds = await serve_xds(cache, f"{config.xds_address}:{config.xds_port}", metrics)
     scraper = Scraper(
@@ -74,7 +95,7 @@ async def run(config: ControlPlaneConfig, store: Store | None = None, stored: Op
         observer=metrics,
     )
     admin = EmbeddedServer(uvicorn.Config(
-        create_admin_app(controller, metrics, service, token, auth_reads=config.admin_auth_reads),
+        create_admin_app(controller, metrics, service, token, auth_reads=config.admin_auth_reads, nginx=nginx),
         host=config.admin_address, port=config.admin_port,
         log_config=None, access_log=False, lifespan="off",
     ))
@@ -83,6 +104,10 @@ async def run(config: ControlPlaneConfig, store: Store | None = None, stored: Op
                             name="scraper"),
         asyncio.create_task(admin.serve(), name="admin-http"),
     ]
+    discovery = start_discovery(config, controller, metrics, stored.overrides)
+    autoscaler = Autoscaler(config.autoscale.settings())  # computed when /metrics is scraped
+    metrics.register_autoscale(lambda: autoscaler.observe(controller.state.endpoints, time.monotonic(),
+                                                          config.stale_after_s))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -92,16 +117,22 @@ async def run(config: ControlPlaneConfig, store: Store | None = None, stored: Op
         "endpoints": config.endpoints, "weight_policy": controller.policy.name,
         "pick_policy": controller.state.pick_policy.name, "restored_endpoints": len(stored.endpoints),
         "restored_overrides": len(stored.overrides),
-        "state_db": str(store.path) if store is not None else None,
+        "state_db": store.location if store is not None else None,
     })
     done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
     for task in done:
         if task in tasks and task.exception() is not None:
             log.error("component failed", extra={"task": task.get_name(), "error": repr(task.exception())})
     log.info("stopping")
+    if nginx is not None:  # first: nginx stops accepting and lets in-flight requests finish
+        await nginx.stop()
     admin.should_exit = True
     await stop_xds(xds, cache, grace=2.0)
+    if follower is not None:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
     await service.stop()
+    await stop_discovery(discovery)
     await controller.stop()
     tasks[0].cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -127,13 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", type=Path,
                    help="operator state (control-plane.db) and the admin token (default $INFERLB_DATA_DIR "
                         "or ./.inferlb)")
+    p.add_argument("--store", metavar="URL",
+                   help="shared operator state for several replicas: postgresql://user@host:port/db "
+                        "(default $INFERLB_STORE; unset: SQLite in the data directory)")
+    p.add_argument("--dataplane", choices=["envoy", "nginx"],
+                   help="envoy (default: Envoys and ext_proc connect over xDS) or nginx: the control plane "
+                        "renders nginx's upstream, validates it with nginx -t, reloads nginx gracefully and, by "
+                        "default, runs nginx itself on the listener address (INFERLB_CP_NGINX__*; docs/nginx.md)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("config", "dataplane")}
+    if args.dataplane is not None:
+        overrides["nginx"] = {"enabled": args.dataplane == "nginx"}
     try:
         config = load_config(args.config, overrides)
         make_weight_policy(config.weight_policy, config.weight_params)  # refuse a bad policy up front
@@ -142,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_json_logging("control_plane", config.log_level)
     try:
-        store = Store.open(config.data_dir)
+        store = open_store(config.store, config.data_dir)
     except StoreError as exc:
         print(f"python -m control_plane: cannot use the state database: {exc}", file=sys.stderr)
         return 2
@@ -157,6 +197,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("admin API token", extra={"token_location": token.where(), "token_source": token.source})
     try:
         asyncio.run(run(config, store, stored, token))
+    except NginxError as exc:
+        print(f"python -m control_plane: NGINX data plane: {exc}", file=sys.stderr)
+        return 2
     finally:
         store.close()
     return 0

@@ -52,11 +52,15 @@ from .api_models import (
     ActivePolicy,
     AvailablePolicies,
     AvailablePolicy,
+    DataPlaneStatus,
     EndpointCreate,
     EndpointList,
     EndpointOut,
     ErrorResponse,
     NackOut,
+    NginxFailureOut,
+    NginxServerOut,
+    NginxStatusOut,
     PolicyState,
     PolicyUpdate,
     TelemetryOut,
@@ -71,6 +75,7 @@ from .config import parse_endpoint
 from .controller import Controller
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState, Health, PickPolicySpec, Telemetry
+from .nginx.applier import NginxApplier
 from .policy import (
     WeightPolicy,
     builtin_weight_policies,
@@ -78,7 +83,7 @@ from .policy import (
     weight_policy_params,
 )
 from .policy_loading import describe_weight_policies
-from .store import PolicyKind, Store, StoredPolicy, StoreError
+from .store import OperatorState, OperatorStore, PolicyKind, StoredPolicy, StoreError, reconcile
 from .telemetry import is_stale
 from .type_urls import ENDPOINT, SHORT_NAMES
 
@@ -190,13 +195,16 @@ def _replace_endpoint(endpoint_id: str, **changes: Any) -> Callable[[FleetState]
 class AdminService:
     """Operator actions on the controller's state, persisted in the store (see the module docstring)."""
 
-    def __init__(self, controller: Controller, store: Store | None = None, *,
-                 deregistration_drain_s: float = DEFAULT_DEREGISTRATION_DRAIN_S) -> None:
+    def __init__(self, controller: Controller, store: OperatorStore | None = None, *,
+                 deregistration_drain_s: float = DEFAULT_DEREGISTRATION_DRAIN_S,
+                 stored_weight_policy: StoredPolicy | None = None) -> None:
         self.controller = controller
         self.store = store
         self.deregistration_drain_s = deregistration_drain_s
         self._lock = asyncio.Lock()
         self._removals: dict[str, asyncio.Task[None]] = {}
+        # The stored weight policy the controller runs (restored or set): a reload rebuilds it only on a change.
+        self._weight_stored = stored_weight_policy
 
     async def stop(self) -> None:
         tasks = list(self._removals.values())
@@ -276,7 +284,7 @@ class AdminService:
 
     # -- acting -------------------------------------------------------------------------------------
 
-    async def _commit(self, write: Callable[[Store], Any]) -> None:
+    async def _commit(self, write: Callable[[OperatorStore], Any]) -> None:
         if self.store is None:
             return
         try:
@@ -390,10 +398,61 @@ class AdminService:
             await self._commit(lambda s: s.set_policies(stored))
             if weight_policy is not None:
                 self.controller.set_policy(weight_policy)
+                self._weight_stored = stored["weight"]
             if pick is not None:
                 self.controller.update(lambda state: dataclasses.replace(state, pick_policy=pick))
             log.info("policy changed", extra={"policies": {k: v.name for k, v in stored.items()}})
         return self.policy()
+
+
+    # -- another replica changed the shared store (store.follow) ----------------------------------
+
+    async def reload_from_store(self) -> bool:
+        """Read the whole operator state and fold it in; True if anything changed.
+
+        The same fold as startup's ``restore`` (``store.reconcile``): pins, drains and
+        registrations from the store; API endpoints gone from it (deregistered on another
+        replica) drain and are removed here as a local deregistration does. Under the
+        action lock and read inside it, so a reload never undoes a later local action.
+        """
+        if self.store is None:
+            return False
+        async with self._lock:
+            stored = await self.store.aload()
+            policy_before, state_before = self.controller.policy, self.controller.state
+            stored = self._apply_stored_policies(stored)
+            vanished: tuple[str, ...] = ()
+
+            def change(state: FleetState) -> FleetState:
+                nonlocal vanished
+                new, vanished = reconcile(state, stored, frozenset(self._removals))
+                return new
+
+            self.controller.update(change)
+            for endpoint_id in vanished:
+                self.controller.update(_replace_endpoint(endpoint_id, draining=True))
+                self._removals[endpoint_id] = asyncio.create_task(self._drain_then_remove(endpoint_id),
+                                                                  name=f"deregister {endpoint_id}")
+                log.info("endpoint deregistered on another replica: draining", extra={"endpoint": endpoint_id})
+            return self.controller.state != state_before or self.controller.policy is not policy_before
+
+    def _apply_stored_policies(self, stored: OperatorState) -> OperatorState:
+        """Switch to a changed stored weight policy; ``stored`` without a pick policy that does not validate."""
+        if stored.weight_policy is not None and stored.weight_policy != self._weight_stored:
+            self._weight_stored = stored.weight_policy
+            try:
+                self.controller.set_policy(make_weight_policy(stored.weight_policy.name,
+                                                              stored.weight_policy.params))
+                log.info("weight policy changed by another replica", extra={"weight_policy": stored.weight_policy.name})
+            except (ValueError, TypeError) as exc:
+                log.error("stored weight policy not applied: keeping the current one", extra={"error": str(exc)})
+        if stored.pick_policy is not None:
+            try:
+                pick_catalogue.validate_pick_params(stored.pick_policy.name, stored.pick_policy.params)
+            except ValueError as exc:
+                log.error("stored pick policy not applied: keeping the current one", extra={"error": str(exc)})
+                stored = dataclasses.replace(stored, pick_policy=None)
+        return stored
 
 
 def build_weight_policy(name: str, params: Mapping[str, Any]) -> WeightPolicy:
@@ -421,8 +480,23 @@ Errors: `{"error": {"status", "code", "message", "detail"}}`.
 """
 
 
+def nginx_status_out(nginx: NginxApplier) -> DataPlaneStatus:
+    st = nginx.status()
+    error = st.last_error
+    return DataPlaneStatus(mode="nginx", nginx=NginxStatusOut(
+        config_dir=st.config_dir, listen=st.listen, manage_process=st.manage_process, running=st.running,
+        pid=st.pid, version=st.version, digest=st.digest, applied_at=st.applied_at, reloads=st.reloads,
+        rejected=st.rejected, cycles=st.cycles, pending=st.pending, failing=st.failing,
+        last_error=None if error is None else NginxFailureOut(stage=error.stage, message=error.message,
+                                                              digest=error.digest, at=error.at),
+        servers=[NginxServerOut(endpoint=s.endpoint_id, weight=s.weight, down=s.down, pinned=s.pinned)
+                 for s in st.servers],
+    ))
+
+
 def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, service: AdminService | None = None,
-                     token: AdminToken | None = None, *, auth_reads: bool = False) -> FastAPI:
+                     token: AdminToken | None = None, *, auth_reads: bool = False,
+                     nginx: NginxApplier | None = None) -> FastAPI:
     """The HTTP app. Without a ``token`` every mutation is refused (401): there is no open mode."""
     service = service or AdminService(controller)
     app = FastAPI(title="inferlb control plane", version="0.1.0", description=DESCRIPTION)
@@ -492,6 +566,8 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
 
     @app.get("/readyz", summary="Ready once the first snapshot is published and xDS is serving", tags=["probes"])
     async def readyz() -> JSONResponse:
+        if nginx is not None and not nginx.ready:  # NGINX mode: ready once nginx serves a validated config
+            return JSONResponse({"status": "not ready", "reason": "nginx is not serving yet"}, status_code=503)
         if controller.published.is_set():
             return JSONResponse({"status": "ready", "endpoints": len(controller.state.endpoints)})
         return JSONResponse({"status": "not ready", "reason": "no snapshot published yet"}, status_code=503)
@@ -572,5 +648,11 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
              responses=_responses(E401))
     async def xds_clients() -> XdsClients:
         return service.xds_clients()
+
+    @app.get("/v1/dataplane", response_model=DataPlaneStatus, dependencies=read, tags=["dataplane"],
+             summary="The data plane: envoy (xDS), or nginx with its applied config, reloads and last error",
+             responses=_responses(E401))
+    async def dataplane() -> DataPlaneStatus:
+        return DataPlaneStatus(mode="envoy", nginx=None) if nginx is None else nginx_status_out(nginx)
 
     return app

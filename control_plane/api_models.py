@@ -112,7 +112,7 @@ class EndpointOut(BaseModel):
     id: str = Field(description="host:port", examples=["127.0.0.1:8101"])
     address: str
     port: int
-    source: Literal["static", "api", "kubernetes"]
+    source: Literal["static", "api", "kubernetes", "dns"]
     health: Literal["unknown", "healthy", "unhealthy"]
     draining: bool
     removing: bool = Field(description="deregistered: draining, then removed")
@@ -204,3 +204,46 @@ class XdsClientOut(BaseModel):
 
 class XdsClients(BaseModel):
     clients: list[XdsClientOut]
+
+
+# --- data plane (NGINX mode) --------------------------------------------------------------------------
+
+
+class NginxFailureOut(BaseModel):
+    stage: Literal["validate", "reload", "start", "process", "extra_file"] = Field(
+        description="validate: nginx -t refused the candidate; reload/start/process: nginx itself failed")
+    message: str = Field(description="nginx's own error text (nginx -t's for validate)")
+    digest: str | None = Field(description="sha256 of the refused candidate's files (in <config_dir>/staging)")
+    at: float = Field(description="unix time")
+
+
+class NginxServerOut(BaseModel):
+    endpoint: str = Field(description="host:port")
+    weight: int = Field(description="nginx's weight= (quantised); 0 when down")
+    down: bool = Field(description="drained, unhealthy or weight 0: no new requests")
+    pinned: bool
+
+
+class NginxStatusOut(BaseModel):
+    config_dir: str
+    listen: str = Field(description="the proxy's address:port")
+    manage_process: bool = Field(description="the control plane runs nginx as its child")
+    running: bool
+    pid: int | None = Field(description="nginx's master process")
+    version: int = Field(description="configs applied since the control plane started; 0: none yet")
+    digest: str | None = Field(description="sha256 of the applied config's files")
+    applied_at: float | None = Field(description="unix time the applied config took effect")
+    reloads: int = Field(description="graceful reloads that took effect")
+    rejected: int = Field(description="candidate configs nginx -t refused (never applied)")
+    cycles: int = Field(description="candidates rendered and compared with the applied config")
+    pending: bool = Field(description="the current state renders a different config: it applies at the next "
+                                      "reload slot (rate limit)")
+    failing: bool = Field(description="the current state renders the config nginx -t refused: the last good one "
+                                      "keeps serving until the state or the extra directives change")
+    last_error: NginxFailureOut | None
+    servers: list[NginxServerOut] = Field(description="the upstream nginx runs now")
+
+
+class DataPlaneStatus(BaseModel):
+    mode: Literal["envoy", "nginx"]
+    nginx: NginxStatusOut | None = Field(description="null in Envoy mode")

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -20,7 +20,9 @@ from pydantic_settings import (
 
 from inferlb.runtime.settings import load_layered
 
+from .autoscale import AutoscaleSettings
 from .model import DataPlaneSettings, ExtProcSettings
+from .nginx.config import NginxConfig
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -41,6 +43,8 @@ class DataPlaneConfig(BaseModel):
     ext_proc_address: str = "127.0.0.1"
     ext_proc_port: int = Field(9002, ge=1, le=65535)
     ext_proc_message_timeout_ms: int = Field(200, ge=1, le=60000)
+    # false: Envoy gets no ext_proc filter (routing on the control plane's weights alone).
+    ext_proc_enabled: bool = True
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(60.0, gt=0)
     retries: int = Field(2, ge=0, le=10)
@@ -58,6 +62,7 @@ class DataPlaneConfig(BaseModel):
                 port=self.ext_proc_port,
                 message_timeout_ms=self.ext_proc_message_timeout_ms,
                 max_request_body_bytes=self.max_request_body_bytes,
+                enabled=self.ext_proc_enabled,
             ),
             request_timeout_s=self.request_timeout_s,
             retries=self.retries,
@@ -67,8 +72,33 @@ class DataPlaneConfig(BaseModel):
         )
 
 
+class AutoscaleConfig(BaseModel):
+    """The autoscaling signal ([control_plane.autoscale]; see ``autoscale.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_ongoing_requests: float = Field(2.0, gt=0)
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(10, ge=1)
+    target_p99_latency_s: float | None = Field(None, gt=0)
+    max_upscale_ratio: float = Field(2.0, ge=1)
+    downscale_window_s: float = Field(300.0, ge=0)
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _max_not_below_min(cls, value: int, info: Any) -> int:
+        if value < info.data.get("min_replicas", 0):
+            raise ValueError(f"max_replicas ({value}) is below min_replicas ({info.data['min_replicas']})")
+        return value
+
+    def settings(self) -> AutoscaleSettings:
+        return AutoscaleSettings(**self.model_dump())
+
+
 class ControlPlaneConfig(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="INFERLB_CP_", env_nested_delimiter="__", extra="forbid")
+    # populate_by_name: ``store`` (an alias-only setting, below) is also set by its name (file, flag).
+    model_config = SettingsConfigDict(env_prefix="INFERLB_CP_", env_nested_delimiter="__", extra="forbid",
+                                      populate_by_name=True)
 
     xds_address: str = "127.0.0.1"
     xds_port: int = Field(18000, ge=1, le=65535)
@@ -86,6 +116,8 @@ class ControlPlaneConfig(BaseSettings):
     debounce_max_s: float = Field(1.0, gt=0)
     node_group_key: Literal["cluster", "id"] = "cluster"
     data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    # NGINX as the data plane instead of Envoy ([control_plane.nginx], INFERLB_CP_NGINX__*; docs/nginx.md).
+    nginx: NginxConfig = Field(default_factory=NginxConfig)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Operator state (control-plane.db) and the generated admin token (admin-token) live here.
     data_dir: Path = Field(default_factory=lambda: Path(os.environ.get("INFERLB_DATA_DIR", ".inferlb")))
@@ -95,6 +127,45 @@ class ControlPlaneConfig(BaseSettings):
     admin_auth_reads: bool = False
     # DELETE /v1/endpoints/{id}: the longest a deregistered endpoint drains before it is removed.
     deregistration_drain_s: float = Field(10.0, ge=0, le=3600)
+    # Discovery (control_plane/discovery). DNS: host:port each (comma-separated in the environment);
+    # every A/AAAA record of host is an endpoint ip:port, re-resolved every discovery_interval_s.
+    discovery_dns: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    discovery_interval_s: float = Field(5.0, gt=0)
+    # Kubernetes: the EndpointSlices of this Service (namespace/name) are endpoints, at kubernetes_port
+    # (a port name or number; None: each slice's only/first port). kubernetes_kubeconfig None: in-cluster,
+    # else $KUBECONFIG or ~/.kube/config.
+    kubernetes_service: str | None = None
+    kubernetes_port: str | None = None
+    kubernetes_kubeconfig: Path | None = None
+    autoscale: AutoscaleConfig = Field(default_factory=AutoscaleConfig)
+    # Shared operator state for several replicas: postgresql://user@host:port/db (INFERLB_STORE, the
+    # issue's name, or INFERLB_CP_STORE). None: SQLite in data_dir, one process.
+    store: str | None = Field(None, validation_alias=AliasChoices("INFERLB_STORE", "INFERLB_CP_STORE"))
+    # With a shared store: the safety-net full reload of the operator state, besides LISTEN/NOTIFY.
+    store_reload_interval_s: float = Field(30.0, gt=0)
+
+    @field_validator("discovery_dns", mode="before")
+    @classmethod
+    def _split_dns(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part for part in (p.strip() for p in value.split(",")) if part]
+        return value
+
+    @field_validator("discovery_dns")
+    @classmethod
+    def _valid_dns(cls, value: list[str]) -> list[str]:
+        for text in value:
+            parse_endpoint(text)
+        return value
+
+    @field_validator("kubernetes_service")
+    @classmethod
+    def _valid_service(cls, value: str | None) -> str | None:
+        if value is not None:
+            namespace, sep, name = value.partition("/")
+            if not sep or not namespace or not name or "/" in name:
+                raise ValueError(f"kubernetes_service {value!r} is not namespace/name")
+        return value
 
     @field_validator("endpoints", mode="before")
     @classmethod

@@ -30,6 +30,8 @@ from typing import Callable, Mapping
 
 from .config import ControlPlaneConfig, parse_endpoint
 from .debounce import Debouncer
+from .discovery.model import DiscoverySnapshot, DiscoverySource
+from .discovery.reconcile import Override, Reconciled, SourceMemory, reconcile
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState
 from .policy import WeightPolicy, fleet_view, make_weight_policy
@@ -93,6 +95,8 @@ class Controller:
         self.published = asyncio.Event()
         self._debouncer = Debouncer(self.publish, delay=config.debounce_s, max_delay=config.debounce_max_s)
         self._publish_lock = asyncio.Lock()
+        self._listeners: list[Callable[[FleetState], None]] = []  # see add_listener
+        self._discovery: dict[DiscoverySource, SourceMemory] = {}  # per discovery source
 
     async def start(self) -> None:
         """Publish the initial state at once (Envoy should not wait a debounce for its first config)."""
@@ -109,11 +113,21 @@ class Controller:
         if new != self.state:
             self.state = new
             self._debouncer.mark()
+            for listener in self._listeners:
+                listener(new)
         return new
+
+    def add_listener(self, listener: Callable[[FleetState], None]) -> None:
+        """Call ``listener(state)`` on every real change (another data plane, e.g. NGINX, follows the state)."""
+        self._listeners.append(listener)
 
     def on_scrape_results(self, results: Mapping[str, ScrapeResult]) -> None:
         """Fold a scrape round in, then let the weight policy recompute the weights."""
         now = time.monotonic()
+
+        not_ready = self.discovery_not_ready()
+        if not_ready:  # discovery holds these unhealthy: a scrape must not make them routable
+            results = {k: v for k, v in results.items() if k not in not_ready}
 
         def change(state: FleetState) -> FleetState:
             endpoints = apply_scrape_results(state.endpoints, results, unhealthy_after=self.config.unhealthy_after)
@@ -136,6 +150,26 @@ class Controller:
 
     def set_policy(self, policy: WeightPolicy) -> None:
         self.policy = policy
+
+    # -- discovery (control_plane.discovery) ----------------------------------
+    def seed_discovery_overrides(self, source: DiscoverySource, overrides: Mapping[str, Override]) -> None:
+        """Stored pins/drains for endpoints ``source`` has not found yet: applied when it does."""
+        self._discovery[source] = self._discovery.get(source, SourceMemory()).seed(overrides)
+
+    def sync_source(self, snapshot: DiscoverySnapshot) -> Reconciled:
+        """Make the endpoints of ``snapshot.source`` exactly ``snapshot.endpoints`` (see ``discovery.reconcile``)."""
+        memory = self._discovery.get(snapshot.source, SourceMemory())
+        result = reconcile(self.state.endpoints, snapshot.source, snapshot.endpoints, memory)
+        self._discovery[snapshot.source] = result.memory
+        self.update(lambda state: dataclasses.replace(state, endpoints=result.endpoints))
+        if result.added or result.removed or result.changed:
+            log.info("discovered endpoints changed", extra={
+                "source": snapshot.source, "added": list(result.added), "removed": list(result.removed),
+                "changed": list(result.changed), "not_ready": sorted(result.memory.not_ready)})
+        return result
+
+    def discovery_not_ready(self) -> frozenset[str]:
+        return frozenset().union(*(m.not_ready for m in self._discovery.values()))
 
     # -- publishing ---------------------------------------------------------
     async def publish(self) -> None:

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .autoscale import DESIRED_REPLICAS_METRIC, ONGOING_REQUESTS_METRIC, AutoscaleSignal
 from .model import FleetState, Health
 from .type_urls import SHORT_NAMES
 
@@ -42,6 +43,26 @@ class _EndpointCollector(Collector):
             healthy.add_metric([e.id], {Health.HEALTHY: 1, Health.UNHEALTHY: 0}.get(e.health, -1))
             draining.add_metric([e.id], int(e.draining))
         yield from (weight, healthy, draining)
+
+
+class _AutoscaleCollector(Collector):
+    """The autoscaling signal (``autoscale.py``); nothing until the first round computed one."""
+
+    def __init__(self, signal: Callable[[], AutoscaleSignal | None]) -> None:
+        self._signal = signal
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        signal = self._signal()
+        if signal is None:
+            return
+        yield GaugeMetricFamily(DESIRED_REPLICAS_METRIC, "Workers the fleet should have (for an HPA: an External "
+                                "metric with target AverageValue 1).", value=signal.desired_replicas)
+        yield GaugeMetricFamily("inferlb_autoscale_raw_desired_replicas",
+                                "This round's recommendation before scale-down smoothing.",
+                                value=signal.raw_desired_replicas)
+        yield GaugeMetricFamily(ONGOING_REQUESTS_METRIC, "Requests in flight plus queued, all workers.",
+                                value=signal.load.ongoing_requests)
+        yield GaugeMetricFamily("inferlb_fleet_routable_replicas", "Routable workers.", value=signal.load.replicas)
 
 
 class ControlPlaneMetrics:
@@ -78,6 +99,28 @@ class ControlPlaneMetrics:
             "Weight-policy rounds contained (the default policy's weights used instead), by policy and reason.",
             ["policy", "reason"], registry=r,
         )
+        self.discovery_errors = Counter("inferlb_cp_discovery_errors", "Failed discovery rounds, by source.",
+                                        ["source"], registry=r)
+        self.discovery_last_success = Gauge("inferlb_cp_discovery_last_success_timestamp_seconds",
+                                            "Unix time of the last successful discovery sync, by source.",
+                                            ["source"], registry=r)
+        self.discovery_endpoints = Gauge("inferlb_cp_discovery_endpoints",
+                                         "Endpoints the source listed at its last successful sync.",
+                                         ["source"], registry=r)
+        self.nginx_reloads = Counter(
+            "inferlb_cp_nginx_reloads",
+            "NGINX data plane: configs applied by reload (ok), refused by nginx -t (invalid), or failed.",
+            ["result"], registry=r,
+        )
+        self.nginx_last_reload = Gauge("inferlb_cp_nginx_last_reload_timestamp_seconds",
+                                       "Unix time of the last NGINX reload that took effect.", registry=r)
+        self.store_changes = Counter(
+            "inferlb_cp_store_changes",
+            "Shared-store change feed events, by reason (connected, notified, periodic, own: this replica's).",
+            ["reason"], registry=r,
+        )
+        self.store_reloads = Counter("inferlb_cp_store_reloads", "Operator-state reloads from the shared store.",
+                                     ["result"], registry=r)
 
     # XdsMetrics
     def on_connect(self, mode: str) -> None:
@@ -109,6 +152,30 @@ class ControlPlaneMetrics:
     # policy_loading.FailureObserver
     def policy_failure(self, policy: str, reason: str) -> None:
         self.policy_failures.labels(policy=policy, reason=reason).inc()
+
+    # store.follow.FollowObserver
+    def store_change(self, reason: str) -> None:
+        self.store_changes.labels(reason=reason).inc()
+
+    def store_reload(self, ok: bool) -> None:
+        self.store_reloads.labels(result="ok" if ok else "error").inc()
+
+    # nginx.applier.ReloadObserver
+    def nginx_applied(self, result: str, at: float) -> None:
+        self.nginx_reloads.labels(result=result).inc()
+        if result == "ok":
+            self.nginx_last_reload.set(at)
+
+    # discovery.runner.DiscoveryObserver
+    def discovery_synced(self, source: str, endpoints: int, at: float) -> None:
+        self.discovery_last_success.labels(source=source).set(at)
+        self.discovery_endpoints.labels(source=source).set(endpoints)
+
+    def discovery_failed(self, source: str) -> None:
+        self.discovery_errors.labels(source=source).inc()
+
+    def register_autoscale(self, signal: Callable[[], AutoscaleSignal | None]) -> None:
+        self.registry.register(_AutoscaleCollector(signal))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

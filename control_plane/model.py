@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-EndpointSource = Literal["static", "api", "kubernetes"]
+EndpointSource = Literal["static", "api", "kubernetes", "dns"]
 
 MIN_WEIGHT = 1
 MAX_WEIGHT = 1000
@@ -86,6 +86,9 @@ class ExtProcSettings:
     message_timeout_ms: int = 200
     max_request_body_bytes: int = 4 * 1024 * 1024
     failure_mode_allow: bool = True
+    # False: no ext_proc filter and no ext_proc cluster; Envoy routes on the weights alone
+    # (the bench's "inferlb_weights" data plane, or a fleet without ext_proc).
+    enabled: bool = True
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,8 @@ def build_listener(settings: DataPlaneSettings) -> listener_pb2.Listener:
         rds=hcm_pb2.Rds(config_source=_ads(), route_config_name=settings.route_name),
         http_filters=[
             hcm_pb2.HttpFilter(name=STRIP_PICK_FILTER, typed_config=_pack(build_strip_pick_filter(settings))),
-            hcm_pb2.HttpFilter(name=EXT_PROC_FILTER, typed_config=_pack(build_ext_proc_filter(settings))),
+            *([hcm_pb2.HttpFilter(name=EXT_PROC_FILTER, typed_config=_pack(build_ext_proc_filter(settings)))]
+              if settings.ext_proc.enabled else []),
             hcm_pb2.HttpFilter(name=ROUTER_FILTER, typed_config=_pack(router_pb2.Router())),
         ],
         request_timeout=_duration(settings.request_timeout_s),
@@ -725,11 +726,11 @@ def weights_of(cla: endpoint_pb2.ClusterLoadAssignment) -> dict[str, int]:
 
 def build_static_resources(settings: DataPlaneSettings) -> dict[str, dict[str, Message]]:
     """CDS, LDS and RDS: what depends on the settings alone (the same for every node group)."""
+    clusters: dict[str, Message] = {settings.workers_cluster: build_workers_cluster(settings)}
+    if settings.ext_proc.enabled:  # disabled: no filter calls it, so no cluster either
+        clusters[settings.ext_proc_cluster] = build_ext_proc_cluster(settings)
     return {
-        type_urls.CLUSTER: {
-            settings.workers_cluster: build_workers_cluster(settings),
-            settings.ext_proc_cluster: build_ext_proc_cluster(settings),
-        },
+        type_urls.CLUSTER: clusters,
         type_urls.LISTENER: {settings.listener_name: build_listener(settings)},
         type_urls.ROUTE: {settings.route_name: build_route_configuration(settings)},
     }

@@ -255,6 +255,28 @@ def test_ext_proc_cluster_resolves_a_host_name() -> None:
     assert cluster.type == cluster_pb2.Cluster.STRICT_DNS
 
 
+def test_ext_proc_disabled_leaves_out_the_filter_and_its_cluster() -> None:
+    """Routing on the weights alone: no ext_proc filter or cluster, but a client pick header is still stripped."""
+    settings = DataPlaneSettings(ext_proc=ExtProcSettings(enabled=False))
+    hcm = _hcm(settings)
+    assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.header_mutation", "envoy.filters.http.router"]
+    strip = _unpack(hcm.http_filters[0].typed_config, header_mutation_pb2.HeaderMutation)
+    assert [m.remove for m in strip.mutations.request_mutations] == [settings.pick_header]
+    built = build_resources(FleetState(settings=settings))
+    assert sorted(built[type_urls.CLUSTER]) == [settings.workers_cluster]
+    # The workers cluster is unchanged: the weighted least_request fallback routes every request.
+    assert built[type_urls.CLUSTER][settings.workers_cluster] == build_workers_cluster(DataPlaneSettings())
+
+
+def test_ext_proc_enabled_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from control_plane.config import load_config
+
+    monkeypatch.setenv("INFERLB_CP_DATA_PLANE__EXT_PROC_ENABLED", "false")
+    assert load_config().data_plane.settings().ext_proc.enabled is False
+    monkeypatch.delenv("INFERLB_CP_DATA_PLANE__EXT_PROC_ENABLED")
+    assert load_config().data_plane.settings().ext_proc.enabled is True
+
+
 # --- endpoints -----------------------------------------------------------------------------------
 
 def test_eds_weights_are_effective_weights() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sqlite3
 import stat
@@ -27,10 +28,11 @@ from control_plane.store import (
     Store,
     StoredPolicy,
     StoreError,
+    reconcile,
     restore,
 )
 from control_plane.type_urls import ENDPOINT
-from control_plane.xds import SnapshotCache
+from control_plane.xds import Snapshot, SnapshotCache, make_epoch
 
 from .conftest import ROOT
 
@@ -228,3 +230,85 @@ def test_restore_on_an_empty_store_is_the_config() -> None:
     config = ControlPlaneConfig(endpoints=["127.0.0.1:8101"])
     assert restore(initial_state(config), OperatorState()) == initial_state(config) == FleetState(
         endpoints=(Endpoint("127.0.0.1", 8101),), settings=config.data_plane.settings())
+
+
+# --- reconcile: another replica changed the shared store ------------------------------------------------
+
+
+def _live_state() -> FleetState:
+    """A running replica's state: static 8101 (pinned, with telemetry), 8102, API 10.0.0.7 and 10.0.0.9."""
+    config = ControlPlaneConfig(endpoints=["127.0.0.1:8101", "127.0.0.1:8102"])
+    base = initial_state(config)
+    static = tuple(dataclasses.replace(e, computed_weight=42, pinned_weight=5 if e.port == 8101 else None)
+                   for e in base.endpoints)
+    api = (Endpoint("10.0.0.7", 8107, source="api", draining=True), Endpoint("10.0.0.9", 8109, source="api"))
+    return dataclasses.replace(base, endpoints=static + api)
+
+
+def test_reconcile_applies_pins_drains_registrations_and_the_pick_policy() -> None:
+    state = _live_state()
+    stored = OperatorState(
+        endpoints=(("10.0.0.9", 8109), ("10.0.0.5", 8105)),  # 10.0.0.7 deregistered elsewhere, 10.0.0.5 new
+        overrides={"127.0.0.1:8102": Override(77, False), "10.0.0.5:8105": Override(None, True)},
+        pick_policy=StoredPolicy("round_robin", {"fallbacks": 1}))
+    new, vanished = reconcile(state, stored)
+    by_id = {e.id: e for e in new.endpoints}
+    assert vanished == ("10.0.0.7:8107",)
+    assert by_id["10.0.0.7:8107"] == state.endpoint("10.0.0.7:8107")  # left for the caller to drain and remove
+    assert by_id["127.0.0.1:8101"].pinned_weight is None  # no override stored: unpinned
+    assert by_id["127.0.0.1:8101"].computed_weight == 42  # what the replica measured survives
+    assert by_id["127.0.0.1:8102"].pinned_weight == 77 and not by_id["127.0.0.1:8102"].draining
+    assert by_id["10.0.0.5:8105"] == Endpoint("10.0.0.5", 8105, source="api", draining=True)
+    assert [e.id for e in new.endpoints][-1] == "10.0.0.5:8105"  # appended
+    assert new.pick_policy == PickPolicySpec("round_robin", {"fallbacks": 1})
+
+
+def test_reconcile_leaves_local_removals_alone_and_is_idempotent() -> None:
+    state = _live_state()
+    stored = OperatorState(endpoints=(("10.0.0.9", 8109),), overrides={"127.0.0.1:8101": Override(5, False)})
+    new, vanished = reconcile(state, stored, removing=frozenset({"10.0.0.7:8107"}))
+    assert vanished == ()  # being removed here already
+    assert new.endpoint("10.0.0.7:8107").draining  # keeps its drain though the store has no row for it
+    assert new == state  # nothing else differs from the store
+    assert reconcile(new, stored, removing=frozenset({"10.0.0.7:8107"})) == (new, ())
+
+
+def test_reconcile_never_removes_static_endpoints() -> None:
+    state = _live_state()
+    new, vanished = reconcile(state, OperatorState())
+    assert set(vanished) == {"10.0.0.7:8107", "10.0.0.9:8109"}
+    assert {e.id for e in new.endpoints} == {e.id for e in state.endpoints}
+    assert all(e.pinned_weight is None for e in new.endpoints if e.source == "static")
+
+
+def test_two_control_planes_never_share_an_epoch_or_a_version() -> None:
+    """Replicas serving the same state must still differ, so an Envoy moving between them gets a full push."""
+    config = ControlPlaneConfig(endpoints=["127.0.0.1:8101", "127.0.0.1:8102"])
+
+    async def published() -> Snapshot:
+        controller = Controller(config, SnapshotCache())
+        await controller.start()
+        try:
+            assert controller.snapshot is not None
+            return controller.snapshot
+        finally:
+            await controller.stop()
+
+    a, b = run(published()), run(published())
+    assert a.epoch != b.epoch
+    assert a.versions.keys() == b.versions.keys() and a.versions
+    for type_url in a.versions:
+        assert a.versions[type_url] != b.versions[type_url]
+        ours, theirs = a.resources(type_url), b.resources(type_url)
+        assert {n: r.any.value for n, r in ours.items()} == {n: r.any.value for n, r in theirs.items()}  # same bytes
+        assert all(ours[n].version != theirs[n].version for n in ours)
+    epochs = {make_epoch() for _ in range(1000)}
+    assert len(epochs) == 1000
+
+
+def test_epochs_differ_even_when_the_clocks_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two replicas starting in the same nanosecond (or with skewed clocks) still get different epochs."""
+    from control_plane.xds import snapshot
+
+    monkeypatch.setattr(snapshot.time, "time_ns", lambda: 1_700_000_000_000_000_000)
+    assert len({make_epoch() for _ in range(100)}) == 100

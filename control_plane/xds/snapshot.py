@@ -22,6 +22,7 @@ about configuration another process built.
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -39,11 +40,13 @@ _HASH_HEX = 16
 
 
 def make_epoch() -> str:
-    """A token that differs on every process start (nanosecond wall clock, hex).
+    """A token that differs on every process start: nanosecond wall clock and 32 random bits, hex.
 
-    Choose it once at start-up and pass it to every ``Snapshot.from_resources``.
+    The random part keeps control-plane replicas that start in the same instant
+    (or on machines whose clocks disagree) from ever sharing an epoch. Choose it
+    once at start-up and pass it to every ``Snapshot.from_resources``.
     """
-    return f"{time.time_ns():x}"
+    return f"{time.time_ns():x}{secrets.randbits(32):08x}"
 
 
 @dataclass(frozen=True, slots=True)

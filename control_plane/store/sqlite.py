@@ -1,8 +1,7 @@
-"""Operator state that survives a restart, in SQLite (stdlib ``sqlite3``).
+"""Operator state that survives a restart, in SQLite (stdlib ``sqlite3``): the embedded default.
 
-What is stored is what an operator set through the admin API, nothing the
-control plane can recompute: endpoints registered by API, pins, drains, and
-the active weight and pick policies with their parameters.
+What is stored is described in ``base``. One process owns the file: with
+several control-plane replicas use the PostgreSQL store (``postgres``).
 
 * **One writer.** One connection, opened and used only by one dedicated
   thread (a single-thread executor): every read and write goes through it, in
@@ -29,27 +28,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import json
 import logging
+import os
 import sqlite3
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TypeVar
 
-from .model import MAX_WEIGHT, MIN_WEIGHT, Endpoint, FleetState, PickPolicySpec
+from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
+from .base import (
+    OperatorState,
+    Override,
+    PolicyKind,
+    StoreChange,
+    StoredPolicy,
+    StoreError,
+)
 
 log = logging.getLogger("inferlb.control_plane.store")
 
 DB_NAME = "control-plane.db"
-PolicyKind = Literal["weight", "pick"]
 T = TypeVar("T")
-
-
-class StoreError(RuntimeError):
-    """The database cannot be used; the message names the file and the problem."""
 
 
 # --- schema ----------------------------------------------------------------------------------------
@@ -85,64 +86,6 @@ MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1,)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
-# --- what is stored --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StoredPolicy:
-    name: str
-    params: Mapping[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Override:
-    pinned_weight: int | None = None
-    draining: bool = False
-
-
-@dataclass(frozen=True)
-class OperatorState:
-    """Everything in the database, as plain values."""
-
-    endpoints: tuple[tuple[str, int], ...] = ()  # registered by API: (address, port), in registration order
-    overrides: Mapping[str, Override] = field(default_factory=dict)  # endpoint id -> pin / drain
-    weight_policy: StoredPolicy | None = None
-    pick_policy: StoredPolicy | None = None
-
-
-def restore(state: FleetState, stored: OperatorState) -> FleetState:
-    """``state`` (the static endpoints from the config) with the operator's state folded in.
-
-    API endpoints already listed statically stay static. Overrides of endpoints
-    that no longer exist (a static endpoint dropped from the config) are kept
-    in the database, logged, and not applied. The pick policy is applied here;
-    the weight policy is the controller's (see ``__main__``).
-    """
-    endpoints = list(state.endpoints)
-    known = {e.id for e in endpoints}
-    for address, port in stored.endpoints:
-        endpoint = Endpoint(address=address, port=port, source="api")
-        if endpoint.id in known:
-            log.warning("registered endpoint is also static in the config: static wins",
-                        extra={"endpoint": endpoint.id})
-            continue
-        known.add(endpoint.id)
-        endpoints.append(endpoint)
-    for endpoint_id in sorted(set(stored.overrides) - known):
-        log.warning("stored pin/drain for an endpoint that no longer exists: kept, not applied",
-                    extra={"endpoint": endpoint_id})
-    endpoints = [
-        dataclasses.replace(e, pinned_weight=o.pinned_weight, draining=o.draining)
-        if (o := stored.overrides.get(e.id)) is not None else e
-        for e in endpoints
-    ]
-    state = dataclasses.replace(state, endpoints=tuple(endpoints))
-    if stored.pick_policy is not None:
-        state = dataclasses.replace(state, pick_policy=PickPolicySpec(stored.pick_policy.name,
-                                                                      dict(stored.pick_policy.params)))
-    return state
-
-
 # --- the store -------------------------------------------------------------------------------------
 
 
@@ -151,6 +94,7 @@ class Store:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._replica_id = f"sqlite-{os.getpid()}"
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferlb-store")
         self._db: sqlite3.Connection | None = None
 
@@ -177,6 +121,19 @@ class Store:
         except RuntimeError:  # executor already shut down
             pass
         self._executor.shutdown(wait=True)
+
+    @property
+    def location(self) -> str:
+        return str(self.path)
+
+    @property
+    def replica_id(self) -> str:
+        return self._replica_id
+
+    async def changes(self, reload_interval_s: float = 30.0) -> AsyncIterator[StoreChange]:
+        """Nothing: one process owns the file, so nobody else changes it."""
+        return
+        yield  # an async generator that ends at once
 
     # -- plumbing: everything runs on the store's one thread ---------------------------------------
 
@@ -270,6 +227,9 @@ class Store:
     def load(self) -> OperatorState:
         """Everything stored (call at startup, before the first push)."""
         return self._call(self._load)
+
+    async def aload(self) -> OperatorState:
+        return await self._acall(self._load)
 
     def _load(self) -> OperatorState:
         db = self._conn()

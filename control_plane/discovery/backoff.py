@@ -1,0 +1,17 @@
+"""Exponential backoff with full jitter, for providers retrying a failing source."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Backoff:
+    initial_s: float = 0.5
+    max_s: float = 30.0
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds before retry number ``attempt`` (1 = the first retry); never 0, never above ``max_s``."""
+        ceiling = min(self.max_s, self.initial_s * 2 ** max(0, attempt - 1))
+        return max(self.initial_s / 2, (rng or random).uniform(ceiling / 2, ceiling))

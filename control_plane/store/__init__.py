@@ -1,0 +1,41 @@
+"""Operator state that survives restarts and is shared by control-plane replicas.
+
+* ``base``: what is stored (``OperatorState``), the ``OperatorStore`` contract,
+  and how stored state folds into the fleet (``restore``, ``reconcile``).
+* ``sqlite``: the embedded default, one process (``Store``).
+* ``postgres``: the shared store for several replicas (``PostgresStore``),
+  with a LISTEN/NOTIFY change feed.
+* ``opening``: which one, from the ``store`` setting (``INFERLB_STORE``).
+* ``follow``: apply the changes other replicas make.
+"""
+
+from .base import (
+    OperatorState,
+    OperatorStore,
+    Override,
+    PolicyKind,
+    StoreChange,
+    StoredPolicy,
+    StoreError,
+    reconcile,
+    restore,
+)
+from .opening import open_store
+from .sqlite import DB_NAME, MIGRATIONS, SCHEMA_VERSION, Store
+
+__all__ = [
+    "DB_NAME",
+    "MIGRATIONS",
+    "SCHEMA_VERSION",
+    "OperatorState",
+    "OperatorStore",
+    "Override",
+    "PolicyKind",
+    "Store",
+    "StoreChange",
+    "StoreError",
+    "StoredPolicy",
+    "open_store",
+    "reconcile",
+    "restore",
+]

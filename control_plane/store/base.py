@@ -1,0 +1,175 @@
+"""What every store keeps, the contract every store meets, and how stored state meets the fleet.
+
+What is stored is what an operator set through the admin API, nothing the
+control plane can recompute: endpoints registered by API, pins, drains, and
+the active weight and pick policies with their parameters.
+
+Two ways the stored state reaches the controller's ``FleetState``:
+
+* :func:`restore`, at startup, before the first xDS push: Envoy never sees a
+  moment of unpinned or undrained state.
+* :func:`reconcile`, at run time, when another control-plane replica changed
+  the shared store: the same fold, but onto a live state whose endpoints carry
+  telemetry and health that must survive it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from ..model import Endpoint, FleetState, PickPolicySpec
+
+log = logging.getLogger("inferlb.control_plane.store")
+
+PolicyKind = Literal["weight", "pick"]
+
+
+class StoreError(RuntimeError):
+    """The store cannot be used; the message names the store and the problem."""
+
+
+@dataclass(frozen=True)
+class StoredPolicy:
+    name: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Override:
+    pinned_weight: int | None = None
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class OperatorState:
+    """Everything in the store, as plain values."""
+
+    endpoints: tuple[tuple[str, int], ...] = ()  # registered by API: (address, port), in registration order
+    overrides: Mapping[str, Override] = field(default_factory=dict)  # endpoint id -> pin / drain
+    weight_policy: StoredPolicy | None = None
+    pick_policy: StoredPolicy | None = None
+
+
+@dataclass(frozen=True)
+class StoreChange:
+    """Why the operator state should be read again.
+
+    ``reason``: ``connected`` (the change feed (re)connected: anything may have
+    been missed), ``notified`` (a replica committed a change), ``periodic`` (the
+    safety-net reload). ``origin``: the replica that made a notified change.
+    """
+
+    reason: Literal["connected", "notified", "periodic"]
+    origin: str | None = None
+    revision: int | None = None
+
+
+class OperatorStore(Protocol):
+    """What the control plane needs from a store (SQLite: ``Store``; PostgreSQL: ``PostgresStore``).
+
+    Every write returns once committed and raises :class:`StoreError` when it
+    could not be (the admin API answers 503 and changes nothing).
+    """
+
+    @property
+    def location(self) -> str:
+        """Where the state lives, for logs (no password)."""
+        ...
+
+    @property
+    def replica_id(self) -> str:
+        """This process's id in the change feed (it skips its own notifications)."""
+        ...
+
+    def load(self) -> OperatorState: ...
+
+    async def aload(self) -> OperatorState: ...
+
+    async def add_endpoint(self, address: str, port: int) -> None: ...
+
+    async def remove_endpoint(self, endpoint_id: str) -> None: ...
+
+    async def set_override(self, endpoint_id: str, pinned_weight: int | None, draining: bool) -> None: ...
+
+    async def set_policies(self, policies: Mapping[PolicyKind, StoredPolicy]) -> None: ...
+
+    def changes(self, reload_interval_s: float) -> AsyncIterator[StoreChange]:
+        """Changes made by others, forever (a store nobody else writes yields nothing)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def restore(state: FleetState, stored: OperatorState) -> FleetState:
+    """``state`` (the static endpoints from the config) with the operator's state folded in.
+
+    API endpoints already listed statically stay static. Overrides of endpoints
+    that no longer exist (a static endpoint dropped from the config) are kept
+    in the database, logged, and not applied. The pick policy is applied here;
+    the weight policy is the controller's (see ``__main__``).
+    """
+    endpoints = list(state.endpoints)
+    known = {e.id for e in endpoints}
+    for address, port in stored.endpoints:
+        endpoint = Endpoint(address=address, port=port, source="api")
+        if endpoint.id in known:
+            log.warning("registered endpoint is also static in the config: static wins",
+                        extra={"endpoint": endpoint.id})
+            continue
+        known.add(endpoint.id)
+        endpoints.append(endpoint)
+    for endpoint_id in sorted(set(stored.overrides) - known):
+        log.warning("stored pin/drain for an endpoint that no longer exists: kept, not applied",
+                    extra={"endpoint": endpoint_id})
+    endpoints = [
+        dataclasses.replace(e, pinned_weight=o.pinned_weight, draining=o.draining)
+        if (o := stored.overrides.get(e.id)) is not None else e
+        for e in endpoints
+    ]
+    state = dataclasses.replace(state, endpoints=tuple(endpoints))
+    if stored.pick_policy is not None:
+        state = dataclasses.replace(state, pick_policy=PickPolicySpec(stored.pick_policy.name,
+                                                                      dict(stored.pick_policy.params)))
+    return state
+
+
+def reconcile(state: FleetState, stored: OperatorState,
+              removing: frozenset[str] = frozenset()) -> tuple[FleetState, tuple[str, ...]]:
+    """The live ``state`` made to agree with ``stored`` (read after another replica changed it).
+
+    Returns the new state and the ids of API endpoints that are gone from the
+    store (deregistered elsewhere): they are left as they are, for the caller
+    to drain and remove the way a local deregistration does. Endpoints in
+    ``removing`` (a local deregistration under way) keep their drain. Every
+    other endpoint takes its pin and drain from the store (none stored: none),
+    and keeps its telemetry, health and computed weight. Registrations new to
+    this replica are appended. The pick policy is applied as in :func:`restore`.
+    """
+    registered = [Endpoint(address=a, port=p, source="api") for a, p in stored.endpoints]
+    registered_ids = {e.id for e in registered}
+    vanished = tuple(e.id for e in state.endpoints
+                     if e.source == "api" and e.id not in registered_ids and e.id not in removing)
+    untouched = removing.union(vanished)
+    endpoints: list[Endpoint] = []
+    for e in state.endpoints:
+        if e.id not in untouched:
+            o = stored.overrides.get(e.id, Override())
+            if (e.pinned_weight, e.draining) != (o.pinned_weight, o.draining):
+                e = dataclasses.replace(e, pinned_weight=o.pinned_weight, draining=o.draining)
+        endpoints.append(e)
+    known = {e.id for e in endpoints}
+    for e in registered:
+        if e.id not in known:
+            o = stored.overrides.get(e.id, Override())
+            endpoints.append(dataclasses.replace(e, pinned_weight=o.pinned_weight, draining=o.draining))
+            known.add(e.id)
+    state = dataclasses.replace(state, endpoints=tuple(endpoints))
+    if stored.pick_policy is not None:
+        pick = PickPolicySpec(stored.pick_policy.name, dict(stored.pick_policy.params))
+        if pick != state.pick_policy:
+            state = dataclasses.replace(state, pick_policy=pick)
+    return state, vanished

@@ -1,0 +1,146 @@
+"""A real, throwaway PostgreSQL server for tests (Debian's ``postgresql`` package).
+
+One server per test session (``postgres_server``): ``initdb`` into a fresh
+temporary directory owned by the ``postgres`` OS user (the server refuses to
+run as root, and the tests do), ``postgres`` on 127.0.0.1 and a free port with
+``fsync=off``, trust authentication for loopback. Each test gets its own
+database (``postgres_url``), so tests never see each other's rows. The server
+is stopped (fast shutdown, then SIGKILL) and its directory removed when the
+session ends, even after a failure; its log is shown if it fails to start.
+
+Without the server binaries the tests that need it are skipped with how to
+install them; ``make test`` installs them (``APT_PACKAGES``).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from .conftest import free_port
+from .stack import Proc, launch, wait_for
+
+OS_USER = "postgres"
+
+
+def server_binaries() -> Path | None:
+    """The newest ``/usr/lib/postgresql/<version>/bin`` with ``initdb`` and ``postgres``, or None."""
+    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"),
+                        key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0)
+    for postgres in reversed(candidates):
+        bin_dir = Path(postgres).parent
+        if (bin_dir / "initdb").exists():
+            return bin_dir
+    return None
+
+
+@dataclass
+class PostgresServer:
+    proc: Proc
+    port: int
+    bin_dir: Path
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    def admin(self) -> psycopg.Connection:
+        """A superuser connection to the ``postgres`` database (autocommit)."""
+        return psycopg.connect(self.url(), autocommit=True, connect_timeout=5)
+
+    def create_database(self) -> str:
+        """A new empty database; its URL."""
+        name = f"inferlb_{uuid.uuid4().hex[:12]}"
+        with self.admin() as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def accepts_connections(self) -> bool:
+        try:
+            with self.admin() as conn:
+                return conn.execute("SELECT 1").fetchone() == (1,)
+        except psycopg.OperationalError:
+            return False
+
+    def terminate_backends(self, application_name_like: str) -> int:
+        """Kill the server processes serving matching clients (their connections drop); how many."""
+        with self.admin() as conn:
+            rows = conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                "WHERE application_name LIKE %s AND pid <> pg_backend_pid()",
+                                (application_name_like,)).fetchall()
+        return len(rows)
+
+
+def _as_postgres(argv: list[str]) -> list[str]:
+    """Run ``argv`` as the postgres OS user; ``setpriv`` execs (no extra parent), so signals reach the server."""
+    return ["setpriv", f"--reuid={OS_USER}", f"--regid={OS_USER}", "--init-groups", "--", *argv]
+
+
+def _stop(proc: Proc) -> None:
+    """Fast shutdown (SIGINT: disconnect clients, stop), SIGKILL if it hangs; always reaped."""
+    if proc.alive():
+        proc.process.send_signal(signal.SIGINT)
+        try:
+            proc.process.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.process.kill()
+    proc.process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    bin_dir = server_binaries()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin: "
+                    "apt-get install postgresql (make test installs it)")
+    try:
+        user = pwd.getpwnam(OS_USER)
+    except KeyError:
+        pytest.skip(f"no {OS_USER!r} OS user: apt-get install postgresql creates it")
+    log_dir = tmp_path_factory.mktemp("postgres-logs")
+    # Not under pytest's tmp dir: that one is root-only (0700), and the server runs as postgres.
+    base = Path(tempfile.mkdtemp(prefix="inferlb-pg-"))
+    try:
+        data, sockets = base / "data", base / "sockets"
+        data.mkdir()
+        sockets.mkdir()
+        for path in (base, data, sockets):
+            os.chown(path, user.pw_uid, user.pw_gid)
+        initdb = subprocess.run(
+            _as_postgres([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
+                          "--encoding=UTF8", "--no-sync", "--no-instructions"]),
+            capture_output=True, text=True, cwd=base, timeout=120, check=False)
+        assert initdb.returncode == 0, f"initdb failed:\n{initdb.stdout}\n{initdb.stderr}"
+        port = free_port()
+        proc = launch("postgres", _as_postgres([
+            str(bin_dir / "postgres"), "-D", str(data), "-h", "127.0.0.1", "-p", str(port), "-k", str(sockets),
+            "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+            "-c", "max_connections=200", "-c", "log_min_messages=warning"]), log_dir)
+        try:
+            server = PostgresServer(proc, port, bin_dir)
+            wait_for(server.accepts_connections, 60, "PostgreSQL to accept connections", [proc])
+            yield server
+        except BaseException:
+            print(f"\n----- postgres ({proc.log_path}), last lines -----\n{proc.tail()}")
+            raise
+        finally:
+            _stop(proc)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """A fresh database on the session's server, for one test."""
+    return postgres_server.create_database()

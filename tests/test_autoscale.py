@@ -1,0 +1,100 @@
+"""The autoscaling signal's math (pure) and its export on the control plane's /metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from control_plane.autoscale import (
+    DESIRED_REPLICAS_METRIC,
+    ONGOING_REQUESTS_METRIC,
+    Autoscaler,
+    AutoscaleSettings,
+    AutoscaleState,
+    FleetLoad,
+    fleet_load,
+    raw_desired_replicas,
+    step,
+)
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.model import Endpoint, FleetState, Health, Telemetry
+
+from .stack import prometheus_samples, sample
+
+
+def _endpoint(port: int, inflight: float, queue: float, p99: float = 0.05, *, at: float = 100.0,
+              health: Health = Health.HEALTHY, draining: bool = False) -> Endpoint:
+    return Endpoint("10.0.0.1", port, health=health, draining=draining,
+                    telemetry=Telemetry(observed_at=at, inflight=inflight, queue_depth=queue, latency_p99_s=p99))
+
+
+@pytest.mark.parametrize(("ongoing", "target", "expected"), [
+    (0.0, 2.0, 1),  # min_replicas
+    (2.0, 2.0, 1),
+    (2.1, 2.0, 2),  # ceil
+    (7.0, 2.0, 4),
+    (8.0, 2.0, 4),  # exactly on target: no extra replica from float noise
+    (100.0, 2.0, 10),  # max_replicas
+    (3.0, 0.5, 6),
+])
+def test_desired_replicas_is_ceil_of_ongoing_over_target(ongoing: float, target: float, expected: int) -> None:
+    settings = AutoscaleSettings(target_ongoing_requests=target, min_replicas=1, max_replicas=10)
+    assert raw_desired_replicas(FleetLoad(ongoing, replicas=3), settings) == expected
+
+
+def test_latency_above_target_scales_up_in_proportion_capped() -> None:
+    settings = AutoscaleSettings(target_ongoing_requests=4.0, target_p99_latency_s=0.1, max_replicas=50)
+    # the load alone asks for 2; p99 at 1.5x target with 4 replicas asks for ceil(4 * 1.5) = 6
+    assert raw_desired_replicas(FleetLoad(8.0, replicas=4, p99_latency_s=0.15), settings) == 6
+    # a p99 10x the target is capped at max_upscale_ratio (2): 8, not 40
+    assert raw_desired_replicas(FleetLoad(8.0, replicas=4, p99_latency_s=1.0), settings) == 8
+    # under target, or no telemetry: the load decides
+    assert raw_desired_replicas(FleetLoad(8.0, replicas=4, p99_latency_s=0.05), settings) == 2
+    assert raw_desired_replicas(FleetLoad(8.0, replicas=4, p99_latency_s=None), settings) == 2
+    # no latency target: latency is ignored
+    assert raw_desired_replicas(FleetLoad(8.0, replicas=4, p99_latency_s=1.0),
+                                AutoscaleSettings(target_ongoing_requests=4.0)) == 2
+
+
+def test_fleet_load_counts_fresh_telemetry_and_routable_replicas() -> None:
+    endpoints = [
+        _endpoint(1, inflight=2, queue=1, p99=0.2),
+        _endpoint(2, inflight=1, queue=0, p99=0.4, draining=True),  # its work counts, it is no replica
+        _endpoint(3, inflight=5, queue=5, p99=9.0, at=0.0),  # stale: ignored
+        Endpoint("10.0.0.1", 4),  # never scraped: a replica, no load
+    ]
+    load = fleet_load(endpoints, now=101.0, stale_after_s=2.0)
+    assert load == FleetLoad(ongoing_requests=4.0, replicas=3, p99_latency_s=0.2)
+
+
+def test_scale_up_is_immediate_and_scale_down_waits_for_the_window() -> None:
+    settings = AutoscaleSettings(downscale_window_s=60.0)
+    state = AutoscaleState()
+    for now, raw, expected in [(0, 2, 2), (10, 5, 5), (20, 3, 5), (69, 1, 5), (71, 1, 3), (81, 1, 1), (90, 4, 4)]:
+        state = step(state, raw, float(now), settings)
+        assert state.desired_replicas == expected, (now, raw)
+    assert len(state.history) <= 2  # dominated entries are dropped: the history stays small
+
+
+def test_settings_refuse_nonsense() -> None:
+    with pytest.raises(ValueError, match="target_ongoing_requests"):
+        AutoscaleSettings(target_ongoing_requests=0)
+    with pytest.raises(ValueError, match="min_replicas"):
+        AutoscaleSettings(min_replicas=5, max_replicas=2)
+    with pytest.raises(ValueError, match="target_p99_latency_s"):
+        AutoscaleSettings(target_p99_latency_s=-1)
+
+
+def test_metrics_export_the_signal() -> None:
+    endpoints = (_endpoint(1, inflight=3, queue=2), _endpoint(2, inflight=1, queue=1))
+    autoscaler = Autoscaler(AutoscaleSettings(target_ongoing_requests=2.0))
+    metrics = ControlPlaneMetrics(lambda: FleetState(endpoints=endpoints))
+    samples = prometheus_samples(metrics.exposition().decode())
+    assert sample(samples, DESIRED_REPLICAS_METRIC) is None  # nothing observed yet: no made-up value
+    metrics.register_autoscale(lambda: autoscaler.signal)
+    autoscaler.observe(endpoints, now=100.5, stale_after_s=2.0)
+    samples = prometheus_samples(metrics.exposition().decode())
+    assert sample(samples, ONGOING_REQUESTS_METRIC) == 7.0
+    assert sample(samples, DESIRED_REPLICAS_METRIC) == math.ceil(7.0 / 2.0)
+    assert sample(samples, "inferlb_fleet_routable_replicas") == 2.0
