@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--dataplane", choices=DATAPLANES, default="envoy",
                     help="envoy (default: per-request ext_proc pick + weights) or nginx (weights only)")
     up.add_argument("--simulate", action="store_true",
-                    help="simulated workers: the real API, batching and metrics around a timed wait, dummy "
+                    help="simulated workers: the real API and metrics, FIFO slots of a timed wait, dummy "
                     "vectors; no model needed (demos, tests)")
     up.add_argument("--base-port", type=int, default=8101, help="first worker port (default 8101)")
     up.add_argument("--precision", choices=["int8", "fp32"], default="int8", help="model precision (default int8)")

@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import WorkerConfig, load_config
-from .simulated import DEFAULT_FIXED_S, DEFAULT_PER_TOKEN_S, Simulation, SimulatedEngine, parse_speed_schedule
+from .simulated import (
+    DEFAULT_FIXED_S,
+    DEFAULT_PER_TOKEN_S,
+    Simulation,
+    SimulatedEngine,
+    SlotScheduler,
+    parse_speed_schedule,
+)
 
 log = logging.getLogger("inferlb.worker")
 
@@ -47,8 +54,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sim = p.add_argument_group(
         "simulation",
-        "--simulate replaces the model with a timed wait of (fixed + per_token * padded tokens) / speed on the "
-        "inference thread and returns dummy unit vectors; everything else (API, batching, metrics, ORCA) is real. "
+        "--simulate replaces the model with dummy unit vectors and a timed wait: requests queue FIFO for "
+        "--sim-slots slots, one request per slot, each taking (fixed + per_token * its tokens) * cost_scale / speed "
+        "seconds (speed read when it starts). Everything else (API, tokenisation, metrics, ORCA) is real. "
         "For emulating a heterogeneous fleet on one machine. GET/PUT /v1/simulation reads/sets the speed.",
     )
     sim.add_argument("--simulate", action="store_true", help="serve simulated inference (dummy vectors)")
@@ -56,9 +64,14 @@ def _serve_parser() -> argparse.ArgumentParser:
     sim.add_argument("--speed-schedule", default="", metavar="T:SPEED,...",
                      help="change the speed T seconds after start, e.g. 30:0.25 for a 4x slowdown at 30 s")
     sim.add_argument("--sim-fixed-ms", type=float, default=DEFAULT_FIXED_S * 1000,
-                     help=f"simulated fixed cost per batch (default {DEFAULT_FIXED_S * 1000:g} ms)")
+                     help=f"simulated fixed cost per request (default {DEFAULT_FIXED_S * 1000:g} ms)")
     sim.add_argument("--sim-per-token-us", type=float, default=DEFAULT_PER_TOKEN_S * 1e6,
-                     help=f"simulated cost per padded token (default {DEFAULT_PER_TOKEN_S * 1e6:g} us)")
+                     help=f"simulated cost per token (default {DEFAULT_PER_TOKEN_S * 1e6:g} us)")
+    sim.add_argument("--sim-cost-scale", type=float, default=1.0, metavar="X",
+                     help="multiply both simulated costs, e.g. to make the emulated fleet, not the host, the "
+                          "bottleneck (default 1)")
+    sim.add_argument("--sim-slots", type=int, default=1, metavar="K",
+                     help="requests served at once; the rest wait FIFO (default 1)")
     return p
 
 
@@ -98,7 +111,7 @@ def build_service(config: WorkerConfig):  # type: ignore[no-untyped-def]
     return EmbeddingService(config, model, load_tokenizer(artifacts.tokenizer, artifacts.max_tokens), engine_factory)
 
 
-def build_simulated_service(config: WorkerConfig, simulation: Simulation):  # type: ignore[no-untyped-def]
+def build_simulated_service(config: WorkerConfig, simulation: Simulation, slots: int = 1):  # type: ignore[no-untyped-def]
     """The real service around a simulated engine; needs only the packaged tokenizer, not the ONNX build."""
     from .model_files import find_packaged_model
     from .service import EmbeddingService, ModelInfo
@@ -106,8 +119,14 @@ def build_simulated_service(config: WorkerConfig, simulation: Simulation):  # ty
 
     model = ModelInfo("all-MiniLM-L6-v2", 256, 384, MODEL_ALIASES)
     tokenizer = load_tokenizer(find_packaged_model().tokenizer, model.max_tokens)
+
+    def scheduler(metrics):  # type: ignore[no-untyped-def]
+        return SlotScheduler(simulation, slots=slots, observer=metrics, max_queue_items=config.max_queue_items,
+                             dimensions=model.dimensions)
+
+    # Utilisation is busy slot time over the K slots: 1.0 means every slot is always busy.
     return EmbeddingService(config, model, tokenizer, lambda: SimulatedEngine(simulation, model.dimensions),
-                            cpu_seconds=simulation.busy_seconds)
+                            cpu_seconds=lambda: simulation.busy_seconds() / slots, scheduler_factory=scheduler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,12 +134,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] == "prepare":
         return prepare(argv[1:])
     args = _serve_parser().parse_args(argv)
-    sim_flags = ("simulate", "speed", "speed_schedule", "sim_fixed_ms", "sim_per_token_us")
+    sim_flags = ("simulate", "speed", "speed_schedule", "sim_fixed_ms", "sim_per_token_us", "sim_cost_scale",
+                 "sim_slots")
     overrides = {k: v for k, v in vars(args).items() if k != "config" and k not in sim_flags}
     try:
         config = load_config(args.config, overrides)
+        if args.sim_slots < 1:
+            raise ValueError(f"--sim-slots must be >= 1, got {args.sim_slots}")
+        if not args.sim_cost_scale > 0:
+            raise ValueError(f"--sim-cost-scale must be > 0, got {args.sim_cost_scale}")
+        scale = args.sim_cost_scale
         simulation = Simulation(
-            speed=args.speed, fixed_s=args.sim_fixed_ms / 1000, per_token_s=args.sim_per_token_us / 1e6,
+            speed=args.speed, fixed_s=args.sim_fixed_ms / 1000 * scale, per_token_s=args.sim_per_token_us / 1e6 * scale,
             schedule=parse_speed_schedule(args.speed_schedule),
         ) if args.simulate else None
     except (ValueError, OSError) as exc:
@@ -134,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if simulation is not None:
         from .app import simulation_routes
 
-        serve(config, build_simulated_service(config, simulation), simulation_routes(simulation))
+        serve(config, build_simulated_service(config, simulation, args.sim_slots), simulation_routes(simulation))
     else:
         serve(config, build_service(config))
     return 0

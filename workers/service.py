@@ -16,7 +16,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import tokenizers
 
-from .batcher import MicroBatcher, QueueFull
+from .batcher import BatchCostModel, Embedded, MicroBatcher, QueueFull
 from .config import WorkerConfig
 from .metrics import WorkerMetrics
 from .protocol import APIError, EmbeddingsRequest, embeddings_response, parse_embeddings_request
@@ -27,6 +27,21 @@ log = logging.getLogger("inferlb.worker")
 INLINE_TEXT_CHARS = 8192
 INLINE_RESPONSE_ROWS = 32
 WARMUP_TEXTS = ("inferlb warm-up", "load balancing " * 200)
+
+
+class InputScheduler(Protocol):
+    """Queues inputs for inference: ``MicroBatcher``, or ``workers.simulated.SlotScheduler`` when simulating."""
+
+    cost: BatchCostModel
+
+    @property
+    def queued(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embedded: ...
 
 
 class EmbeddingEngine(Protocol):
@@ -66,6 +81,7 @@ class EmbeddingService:
         tokenizer: tokenizers.Tokenizer,
         engine_factory: Callable[[], EmbeddingEngine],
         cpu_seconds: Callable[[], float] | None = None,
+        scheduler_factory: Callable[[WorkerMetrics], InputScheduler] | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -76,7 +92,7 @@ class EmbeddingService:
         self._engine: EmbeddingEngine | None = None
         # One inference thread: the engine's own intra-op threads do the parallel work.
         self._infer_executor = ThreadPoolExecutor(1, thread_name_prefix="inference")
-        self.batcher = MicroBatcher(
+        self.batcher: InputScheduler = scheduler_factory(self.metrics) if scheduler_factory else MicroBatcher(
             run_batch=self._run_batch,
             executor=self._infer_executor,
             observer=self.metrics,
@@ -85,6 +101,8 @@ class EmbeddingService:
             max_wait_s=config.max_batch_wait_ms / 1000.0,
             max_queue_items=config.max_queue_items,
         )
+        # Names this worker in every answer, so a client behind any balancer can tell who served it.
+        self.identity = f"{_advertised_host(config.host)}:{config.port}"
         self.ready = False
         self.draining = False
         self.not_ready_reason = "warming up"
@@ -208,6 +226,7 @@ class EmbeddingService:
         elapsed = time.perf_counter() - started
         self.metrics.request_done(reply.status, elapsed)
         reply.headers["server-timing"] = f"{timing}total;dur={elapsed * 1000:.3f}"
+        reply.headers["x-inferlb-worker"] = self.identity
         reply.headers.update(load)
         return reply
 
@@ -245,3 +264,12 @@ class EmbeddingService:
             code="context_length_exceeded",
             param="input",
         )
+
+
+def _advertised_host(host: str) -> str:
+    """The listen address, or this machine's name when listening on every interface."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        import socket
+
+        return socket.gethostname()
+    return host

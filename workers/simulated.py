@@ -1,26 +1,40 @@
 """Simulated inference (``python -m workers --simulate``): a stand-in for machines
 this host does not have.
 
-Everything but the model is real: the HTTP API, tokenisation, micro-batching,
-metrics and the ORCA header. The model is replaced by a timed wait of
-``(fixed + per_token * padded_tokens) / speed`` seconds on the inference
-thread, and the vectors are dummies (deterministic unit vectors). So one
-machine can hold a heterogeneous fleet of 8-16 workers, and a test or a
-benchmark can slow one down at run time (a noisy neighbour, throttling).
+Everything but the model is real: the HTTP API, tokenisation, metrics, the
+ORCA header and readiness. The vectors are dummies (deterministic unit
+vectors). So one machine can hold a heterogeneous fleet of 8-16 workers, and a
+test or a benchmark can slow one down at run time (a noisy neighbour,
+throttling).
+
+Requests are served by ``SlotScheduler``: FIFO on ``K`` slots (``--sim-slots``),
+one request is one job, no batching across requests, and a job of ``n``
+tokens (all its inputs together, unpadded) takes exactly
+``(fixed + per_token * n) / speed`` seconds, with the speed read when the job
+starts. That is the queueing model the fleet simulator (``inferlb sim``)
+implements, so the two can be checked against each other.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import queue
 import threading
 import time
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from .batcher import BatchCostModel, BatchObserver, Embedded, QueueFull
+
+log = logging.getLogger("inferlb.worker")
+
 # Fitted to the int8 all-MiniLM-L6-v2 on one core of the development machine
 # (a least-squares fit over length-batched and single inputs of the benchmark mix):
-# batch seconds = FIXED + PER_TOKEN * padded tokens.
+# seconds = FIXED + PER_TOKEN * tokens.
 DEFAULT_FIXED_S = 0.001
 DEFAULT_PER_TOKEN_S = 0.000114
 
@@ -88,8 +102,22 @@ class Simulation:
             return self._busy
 
 
+def dummy_vectors(batch: Sequence[Sequence[int]], dimensions: int) -> np.ndarray:
+    """Deterministic unit vectors, one per input, seeded by its token ids."""
+    vectors = np.empty((len(batch), dimensions), dtype=np.float32)
+    for row, item in enumerate(batch):
+        seed = zlib.crc32(np.asarray(item, dtype=np.int64).tobytes())
+        v = np.random.default_rng(seed).standard_normal(dimensions)
+        vectors[row] = v / np.linalg.norm(v)
+    return vectors
+
+
 class SimulatedEngine:
-    """Implements the service's ``EmbeddingEngine`` with a timed wait instead of a model."""
+    """Implements the service's ``EmbeddingEngine`` with a timed wait instead of a model.
+
+    The slot scheduler does not call ``embed``; the service's warm-up still
+    builds the engine to check the dimensions, as it does for the real one.
+    """
 
     def __init__(self, simulation: Simulation, dimensions: int = 384) -> None:
         self.simulation = simulation
@@ -103,9 +131,145 @@ class SimulatedEngine:
         seconds = self.simulation.batch_seconds(max(len(item) for item in batch) * len(batch))
         time.sleep(seconds)  # the simulated compute, on the inference thread
         self.simulation.add_busy(seconds)
-        vectors = np.empty((len(batch), self._dimensions), dtype=np.float32)
-        for row, item in enumerate(batch):
-            seed = zlib.crc32(np.asarray(item, dtype=np.int64).tobytes())
-            v = np.random.default_rng(seed).standard_normal(self._dimensions)
-            vectors[row] = v / np.linalg.norm(v)
-        return vectors
+        return dummy_vectors(batch, self._dimensions)
+
+
+@dataclass(eq=False)
+class _Job:
+    inputs: Sequence[Sequence[int]]
+    tokens: int
+    future: asyncio.Future[Embedded]
+    loop: asyncio.AbstractEventLoop
+    enqueued: float
+
+
+_STOP = None  # the sentinel a slot thread exits on
+
+
+class SlotScheduler:
+    """FIFO queue served on ``slots`` slots; one request is one job of ``(fixed + per_token * tokens) / speed``.
+
+    Stands in for the service's ``MicroBatcher`` (same ``start``/``stop``/
+    ``embed``/``queued``/``cost``). Each slot is a thread that takes the next
+    job from a thread-safe FIFO and sleeps until the job's end, so the next
+    job starts the moment a slot frees, without a hop through the event loop,
+    and service times keep ``time.sleep``'s precision rather than the event
+    loop's millisecond timers. ``queued`` counts requests waiting for a slot
+    (the ORCA ``queue``); metrics keep their shape (one "batch" per job).
+    """
+
+    def __init__(self, simulation: Simulation, *, slots: int, observer: BatchObserver,
+                 max_queue_items: int = 8192, dimensions: int = 384) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        self.simulation = simulation
+        self.slots = slots
+        self.observer = observer
+        self.max_queue_items = max_queue_items
+        self.dimensions = dimensions
+        self.cost = BatchCostModel()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._waiting = 0  # jobs submitted and not yet taken by a slot (under _lock)
+        self._running = 0
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle -------------------------------------------------------
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._slot, name=f"sim-slot-{i}", daemon=True)
+                         for i in range(self.slots)]
+        for thread in self._threads:
+            thread.start()
+
+    async def stop(self) -> None:
+        """Fail the jobs still waiting, let running ones end (each is one service time), stop the slots."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                with self._lock:
+                    self._waiting -= 1
+                self._resolve(job, RuntimeError("worker is shutting down"))
+        for _ in self._threads:
+            self._jobs.put(_STOP)
+        threads, self._threads = self._threads, []
+        await asyncio.to_thread(lambda: [t.join(30) for t in threads])
+
+    @property
+    def queued(self) -> int:
+        return self._waiting
+
+    @property
+    def busy(self) -> bool:
+        return self._running > 0
+
+    # -- submitting ------------------------------------------------------
+    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embedded:
+        """Queue one job for all of ``inputs``; rows come back in input order."""
+        with self._lock:
+            if self._waiting >= self.max_queue_items:
+                raise QueueFull(f"{self._waiting} requests already queued (limit {self.max_queue_items})")
+            self._waiting += 1
+            depth = self._waiting
+        loop = asyncio.get_running_loop()
+        job = _Job(inputs, sum(len(i) for i in inputs), loop.create_future(), loop, time.perf_counter())
+        self._jobs.put(job)
+        self.observer.queue_depth(depth)
+        return await job.future  # a cancelled client cancels the future; its slot skips the job
+
+    # -- the slots (threads) -----------------------------------------------
+    def _slot(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self._waiting -= 1
+                depth = self._waiting
+            if job.future.cancelled():
+                continue
+            with self._lock:
+                self._running += 1
+            try:
+                result = self._serve(job)
+            except Exception as exc:  # a failed job fails its request, never the slot
+                log.exception("simulated job failed")
+                self._resolve(job, exc)
+                continue
+            finally:
+                with self._lock:
+                    self._running -= 1
+            self._resolve(job, result, depth)
+
+    def _serve(self, job: _Job) -> tuple[Embedded, float]:
+        started = time.perf_counter()
+        seconds = self.simulation.batch_seconds(job.tokens)  # the speed at the start of the job
+        vectors = dummy_vectors(job.inputs, self.dimensions)
+        remaining = started + seconds - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        finished = time.perf_counter()
+        self.simulation.add_busy(seconds)
+        return Embedded(vectors, queue_s=started - job.enqueued, compute_s=finished - started), seconds
+
+    def _resolve(self, job: _Job, outcome: tuple[Embedded, float] | BaseException, depth: int = 0) -> None:
+        def settle() -> None:
+            if isinstance(outcome, BaseException):
+                if not job.future.done():
+                    job.future.set_exception(outcome)
+                return
+            embedded, seconds = outcome
+            self.cost.observe(job.tokens, seconds)
+            self.observer.queue_depth(depth)
+            self.observer.queue_wait(embedded.queue_s)
+            self.observer.batch_done(size=len(job.inputs), tokens=job.tokens, padded_tokens=job.tokens,
+                                     seconds=embedded.compute_s)
+            if not job.future.done():
+                job.future.set_result(embedded)
+
+        try:
+            job.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass

@@ -140,8 +140,9 @@ def _validate(s: Scenario) -> None:
     need(s.fleet.cost_scale > 0 and s.fleet.fixed_s >= 0 and s.fleet.per_token_s >= 0,
          "fleet.cost_scale must be > 0 and the costs >= 0")
     mix = s.workload.mix
-    need(len(mix) >= 1 and all(b.share > 0 and 1 <= b.min_tokens <= b.max_tokens <= 256 for b in mix),
-         "workload.mix buckets need share > 0 and 1 <= min_tokens <= max_tokens <= 256")
+    # 3 tokens: [CLS], one word, [SEP] (the bench sends text; an empty text has no word to count)
+    need(len(mix) >= 1 and all(b.share > 0 and 3 <= b.min_tokens <= b.max_tokens <= 256 for b in mix),
+         "workload.mix buckets need share > 0 and 3 <= min_tokens <= max_tokens <= 256")
     need(abs(sum(b.share for b in mix) - 1.0) < 1e-6, "workload.mix shares must add up to 1")
     need(s.workload.arrival in ("poisson", "bursty"),
          f"workload.arrival must be 'poisson' or 'bursty', got {s.workload.arrival!r}")

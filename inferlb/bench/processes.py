@@ -1,0 +1,62 @@
+"""The bench's child processes: started together, stopped together, never orphaned.
+
+A scenario run starts a fleet and a data plane per configuration and must
+leave nothing behind, on success, on an error and on Ctrl-C alike. This is
+``inferlb.supervisor.Supervisor`` (same spawning: own session, SIGTERM when
+the parent dies; same readiness probes; SIGTERM then SIGKILL on stop) without
+the restarts: a component that crashes mid-run fails the run instead of being
+quietly replaced, since a restarted worker would have fresh queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import TracebackType
+from typing import Callable, Sequence
+
+from ..supervisor import Component, Running, Supervisor
+
+
+class ComponentDied(RuntimeError):
+    """A bench process exited while it was needed; the message names it and its log."""
+
+
+class ProcessGroup:
+    """Use as ``async with ProcessGroup() as group``: everything started in it is stopped on the way out."""
+
+    def __init__(self, report: Callable[[str], None] = lambda line: None, stop_timeout_s: float = 15.0) -> None:
+        self._supervisor = Supervisor([], report=report, stop_timeout_s=stop_timeout_s)
+
+    async def start(self, components: Sequence[Component]) -> None:
+        """Spawn ``components`` at once (their start-ups overlap) and wait until every one is ready."""
+        sup = self._supervisor
+        for spec in components:
+            if spec.name in sup.running:
+                raise ValueError(f"component {spec.name!r} is already running")
+            process = await sup._spawn(spec)
+            sup.running[spec.name] = Running(spec, process, time.monotonic())
+        await asyncio.gather(*(sup._wait_ready(spec, sup.running[spec.name].process) for spec in components))
+
+    def check_alive(self) -> None:
+        """Raise ``ComponentDied`` if any component has exited."""
+        for entry in self._supervisor.running.values():
+            if entry.process.returncode is not None:
+                raise ComponentDied(f"{entry.spec.name} exited with {entry.process.returncode}; "
+                                    f"see {entry.spec.log_path}")
+
+    def pids(self, *, skip_group: str | None = None) -> list[int]:
+        """Process ids of the running components, leaving out those of ``skip_group``."""
+        return [entry.process.pid for entry in self._supervisor.running.values()
+                if skip_group is None or entry.spec.group != skip_group]
+
+    async def stop(self) -> None:
+        """SIGTERM in reverse start order, SIGKILL after the timeout; reaps every child."""
+        await self._supervisor.stop_all()
+
+    async def __aenter__(self) -> "ProcessGroup":
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.stop()

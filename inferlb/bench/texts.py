@@ -1,0 +1,75 @@
+"""Real ``POST /v1/embeddings`` bodies whose input has an exact token count.
+
+The bench sends text, not token arrays, so that ext_proc and the workers do
+their real work (tokenising with the model's own tokenizer). Each text is
+built from common lowercase English words that are each exactly one WordPiece
+token of the all-MiniLM-L6-v2 vocabulary, separated by single spaces: ``n``
+tokens (counting [CLS] and [SEP], as the worker and ext_proc count them) is
+``n - 2`` words. ``tests/test_bench_trace.py`` checks this against the real
+tokenizer. Pure: no tokenizer is loaded here, the bench stays light.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import orjson
+
+MODEL = "all-MiniLM-L6-v2"
+SPECIAL_TOKENS = 2  # [CLS] and [SEP]
+MAX_TOKENS = 256  # the model's limit, special tokens included
+VARIANTS = 16  # distinct texts per token count: requests differ without a body per request
+
+# Each is one token of the bert-base-uncased vocabulary that all-MiniLM-L6-v2 uses.
+WORDS = tuple("""
+the of and to in is was for on that with as by at from his her it an are were be this which or had not but have
+has its they their one all been new also first two after more can who when there other into time some only would
+over three most such these than years many may where then out about both between up during year city team world
+made used under him well later while part each like through what before number since however state being known
+united people same you back because game system them even much area four high until school called including due
+season make work long still any life own way family public national group small large early just very last best
+good great right old real next order place point case week home open water power line side end market level body
+book house money night story fact month lot study job word business issue kind head far black white little light
+""".split())
+
+
+def text_with_tokens(tokens: int, variant: int = 0) -> str:
+    """A text that tokenises to exactly ``tokens`` tokens, [CLS] and [SEP] included.
+
+    ``variant`` picks one of many fixed word orders; the same (tokens, variant)
+    always gives the same text.
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not SPECIAL_TOKENS < tokens <= MAX_TOKENS:
+        raise ValueError(f"tokens must be an integer in [{SPECIAL_TOKENS + 1}, {MAX_TOKENS}] "
+                         f"(it counts [CLS] and [SEP]), got {tokens!r}")
+    rng = random.Random(tokens * 1_000_003 + variant)
+    return " ".join(rng.choices(WORDS, k=tokens - SPECIAL_TOKENS))
+
+
+def embeddings_body(tokens: int, variant: int = 0, *, inputs: int = 1, model: str = MODEL) -> bytes:
+    """An OpenAI embeddings request body: ``input`` is one text, or a list of ``inputs`` texts of ``tokens`` each."""
+    if inputs < 1:
+        raise ValueError(f"inputs must be >= 1, got {inputs}")
+    if inputs == 1:
+        payload: str | list[str] = text_with_tokens(tokens, variant)
+    else:
+        payload = [text_with_tokens(tokens, variant * inputs + i) for i in range(inputs)]
+    return orjson.dumps({"model": model, "input": payload})
+
+
+def bodies_for(tokens: Sequence[int], *, inputs: int = 1, model: str = MODEL) -> list[bytes]:
+    """Pre-encoded bodies for a trace's token counts (``Trace.tokens``), in the same order.
+
+    Request ``i`` gets variant ``i % VARIANTS`` of its length; equal bodies are
+    shared objects, so a long trace costs memory per distinct body only.
+    """
+    cache: dict[tuple[int, int], bytes] = {}
+    out = []
+    for i, n in enumerate(tokens):
+        key = (int(n), i % VARIANTS)
+        body = cache.get(key)
+        if body is None:
+            body = cache[key] = embeddings_body(key[0], key[1], inputs=inputs, model=model)
+        out.append(body)
+    return out

@@ -1,0 +1,140 @@
+"""The precomputed arrival schedule of one run: when each request is sent and how long it is.
+
+Computed up front from (workload, rate, duration, seed) only, so that the live
+bench (``inferlb bench``), every data-plane configuration it compares and the
+fleet simulator (``inferlb sim``) replay the very same requests at the very
+same offsets. Nothing here reads a clock or the network.
+
+Arrivals:
+- ``poisson``: exponential gaps with mean ``1 / rate``.
+- ``bursty``: on/off periods (``burst_on_s``, ``burst_off_s``) starting with
+  "on"; Poisson at ``rate * (on + off) / on`` while on, nothing while off, so
+  the long-run mean rate is still ``rate``.
+
+Lengths: a bucket is chosen by its share, then the token count (including
+[CLS] and [SEP]) uniformly in ``[min_tokens, max_tokens]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .scenario import Workload
+
+# A trace is held in memory; cap it so a typo in --rate/--duration fails fast, not by swapping.
+MAX_EXPECTED_REQUESTS = 20_000_000
+
+
+@dataclass(frozen=True, eq=False)
+class Trace:
+    """One run's requests, in send order.
+
+    ``send_at_s``: float64 seconds from the start of the run, non-decreasing.
+    ``tokens``: int64 token count of each request's input (incl. [CLS]/[SEP]).
+    ``bucket``: int64 index into ``workload.mix`` each length was drawn from.
+    """
+
+    send_at_s: np.ndarray
+    tokens: np.ndarray
+    bucket: np.ndarray
+    rate_rps: float
+    duration_s: float
+    seed: int
+
+    def __len__(self) -> int:
+        return int(self.send_at_s.size)
+
+    def __post_init__(self) -> None:
+        for name in ("send_at_s", "tokens", "bucket"):
+            getattr(self, name).setflags(write=False)  # frozen all the way down: shared by B and C
+
+    def window(self, start_s: float, end_s: float | None = None) -> np.ndarray:
+        """Boolean mask of the requests scheduled in ``[start_s, end_s)`` (e.g. after the warm-up)."""
+        end = self.duration_s if end_s is None else end_s
+        return (self.send_at_s >= start_s) & (self.send_at_s < end)
+
+
+def build_trace(workload: Workload, rate_rps: float, duration_s: float, seed: int) -> Trace:
+    """The schedule of ``duration_s`` seconds of ``workload`` at a mean ``rate_rps`` requests/s.
+
+    The same arguments always give the same trace (numpy's PCG64 seeded with
+    ``seed``; arrivals and lengths use independent child streams, so changing
+    the mix does not move the arrival times). Raises ``ValueError`` naming the
+    bad argument.
+    """
+    if not np.isfinite(rate_rps) or rate_rps <= 0:
+        raise ValueError(f"rate_rps must be a finite number > 0, got {rate_rps!r}")
+    if not np.isfinite(duration_s) or duration_s <= 0:
+        raise ValueError(f"duration_s must be a finite number > 0, got {duration_s!r}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if rate_rps * duration_s > MAX_EXPECTED_REQUESTS:
+        raise ValueError(f"rate_rps * duration_s = {rate_rps * duration_s:.0f} requests, over the limit of "
+                         f"{MAX_EXPECTED_REQUESTS}")
+    _check_mix(workload)
+    arrivals_rng, lengths_rng = (np.random.Generator(np.random.PCG64(s))
+                                 for s in np.random.SeedSequence(int(seed)).spawn(2))
+    if workload.arrival == "poisson":
+        send_at = _poisson(arrivals_rng, rate_rps, duration_s)
+    elif workload.arrival == "bursty":
+        send_at = _bursty(arrivals_rng, rate_rps, duration_s, workload.burst_on_s, workload.burst_off_s)
+    else:
+        raise ValueError(f"workload.arrival must be 'poisson' or 'bursty', got {workload.arrival!r}")
+    bucket, tokens = _lengths(lengths_rng, workload, send_at.size)
+    return Trace(send_at, tokens, bucket, float(rate_rps), float(duration_s), int(seed))
+
+
+def _check_mix(workload: Workload) -> None:
+    mix = workload.mix
+    if not mix:
+        raise ValueError("workload.mix needs at least one bucket")
+    for i, b in enumerate(mix):
+        if not (b.share > 0 and 1 <= b.min_tokens <= b.max_tokens):
+            raise ValueError(f"workload.mix[{i}] needs share > 0 and 1 <= min_tokens <= max_tokens, got {b}")
+    total = sum(b.share for b in mix)
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"workload.mix shares must add up to 1, got {total:g}")
+    if workload.arrival == "bursty" and not (workload.burst_on_s > 0 and workload.burst_off_s >= 0):
+        raise ValueError("bursty arrival needs burst_on_s > 0 and burst_off_s >= 0")
+
+
+def _poisson(rng: np.random.Generator, rate: float, duration: float) -> np.ndarray:
+    """Arrival times of a Poisson process on [0, duration): cumulative exponential gaps."""
+    chunks: list[np.ndarray] = []
+    t = 0.0
+    expected = rate * duration
+    while True:  # usually one draw; more only when the draw fell short of ``duration``
+        n = int(expected + 6 * np.sqrt(expected) + 16)
+        times = t + np.cumsum(rng.exponential(1.0 / rate, n))
+        inside = times[times < duration]
+        chunks.append(inside)
+        if inside.size < n:
+            return np.concatenate(chunks)
+        t = float(times[-1])
+
+
+def _bursty(rng: np.random.Generator, rate: float, duration: float, on_s: float, off_s: float) -> np.ndarray:
+    """Poisson at ``rate * period / on`` in "on" time, mapped onto the wall clock around the off periods.
+
+    Arrivals are drawn on the concatenated "on" time axis, then each on-time
+    ``u`` becomes ``cycle * period + (u mod on)``: exactly a Poisson process
+    restricted to the on-windows.
+    """
+    period = on_s + off_s
+    on_rate = rate * period / on_s
+    full_cycles, rest = divmod(duration, period)
+    on_total = full_cycles * on_s + min(rest, on_s)
+    u = _poisson(rng, on_rate, on_total)
+    cycle, within = np.divmod(u, on_s)
+    return np.sort(cycle * period + within)
+
+
+def _lengths(rng: np.random.Generator, workload: Workload, n: int) -> tuple[np.ndarray, np.ndarray]:
+    shares = np.array([b.share for b in workload.mix], dtype=np.float64)
+    bucket = rng.choice(len(shares), size=n, p=shares / shares.sum()).astype(np.int64)
+    lo = np.array([b.min_tokens for b in workload.mix], dtype=np.int64)[bucket]
+    hi = np.array([b.max_tokens for b in workload.mix], dtype=np.int64)[bucket]
+    tokens = rng.integers(lo, hi + 1, dtype=np.int64)  # inclusive of max_tokens
+    return bucket, tokens
