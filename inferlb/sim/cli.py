@@ -4,7 +4,51 @@ from __future__ import annotations
 
 import argparse
 
+DESCRIPTION = """\
+Discrete-event simulation of the data planes the bench compares, on a simulated fleet: no servers, no
+sleeps. It replays the bench's own trace for each load and runs the product's real pick and weight
+policies (ext_proc's Picker, CostModel and Outstanding; the control plane's telemetry smoothing and
+WeightPolicy) on a simulated clock, over 1 to 10,000+ workers. Prints the comparison table and writes
+the RunResults as JSON. --validate compares it with a live `inferlb bench run` results.json."""
 
-def add_sim_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    sim = sub.add_parser("sim", help="discrete-event fleet simulator")
-    sim.set_defaults(func=lambda args: (print("inferlb sim: not built yet"), 2)[1])
+EPILOG = """\
+examples:
+  inferlb sim                                        the default scenario, every configuration
+  inferlb sim --scenario scenarios/sim_scale.toml --configurations envoy_least_request,inferlb_ext_proc
+  inferlb sim --workers 10000 --rate 100000 --duration 5 --replicas 10 --json scale.json
+  inferlb sim --validate bench-results/default/results.json"""
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sim = sub.add_parser("sim", help="discrete-event fleet simulator", description=DESCRIPTION, epilog=EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--scenario", metavar="FILE", help="scenario TOML (default: the built-in default scenario)")
+    sim.add_argument("--configurations", metavar="LIST", type=_csv,
+                     help="comma-separated configurations (default: the scenario's, plus its pick_policies)")
+    sim.add_argument("--loads", metavar="LIST", type=_csv, help="comma-separated fractions of capacity, e.g. 0.5,0.8")
+    sim.add_argument("--workers", metavar="N", type=int,
+                     help="scale the scenario fleet to N workers by repeating its speed mix")
+    sim.add_argument("--rate", metavar="RPS", type=float,
+                     help="offer exactly RPS requests/s (one run per configuration) instead of the loads")
+    sim.add_argument("--duration", metavar="S", type=float, help="measured seconds per run")
+    sim.add_argument("--warmup", metavar="S", type=float, help="unmeasured seconds before each run")
+    sim.add_argument("--replicas", metavar="N", type=int, help="ext_proc replicas (default: the scenario's)")
+    sim.add_argument("--scrape-interval", metavar="S", type=float, help="control-plane scrape interval")
+    sim.add_argument("--seed", metavar="N", type=int, help="trace and balancer seed (default: the scenario's)")
+    sim.add_argument("--no-slowdown", action="store_true", help="skip the slowdown run")
+    sim.add_argument("--json", metavar="FILE", help="write the RunResults (or, with --validate, the comparison)")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.add_argument("--validate", metavar="BENCH_RESULTS", help="compare with a live bench results.json")
+    sim.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from .command import (
+        main,  # numpy, hdrh and the services' modules only when the command runs
+    )
+
+    return main(args)

@@ -1,0 +1,112 @@
+"""inferlb with ext_proc: N replicas, each the real Picker, pick policy, CostModel and Outstanding.
+
+Each request goes to one replica at random (Envoy's ext_proc cluster spreads
+streams over them). A replica sees exactly what a live one sees, on the
+simulated clock:
+
+* its own requests in flight (``Outstanding``: begun at the pick, finished
+  when the response headers pass), and nothing of the other replicas';
+* per response, the worker's ORCA in-flight figure (``Picker.note_load``, as
+  ``server.py``'s ``_learn`` feeds it) and its compute seconds
+  (``CostModel.observe``, from ``server-timing``);
+* the EDS view: weights and quantised telemetry from the control-plane model,
+  refreshed every scrape interval (lagging the truth).
+
+When the policy ranks nothing, Envoy's fallback (weighted least_request on the
+same weights) routes the request, as ``failure_mode_allow`` does live.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from ext_proc.cost import CostModel
+from ext_proc.model import EndpointInfo, RequestView
+from ext_proc.outstanding import Outstanding
+from ext_proc.picker import ORCA_INFLIGHT_KEY, Picker
+from ext_proc.policies import DEFAULT_PICK_POLICY, make_pick_policy
+
+from .balancers import WeightedLeastRequest
+from .engine import Tick
+from .fleet import SimFleet
+
+
+def seeded_pick_policy(name: str, seed: int, params: Mapping[str, Any] | None = None):  # type: ignore[no-untyped-def]
+    """The named pick policy, seeded when its params take a seed (determinism per scenario seed)."""
+    policy = make_pick_policy(name, params)
+    chosen = getattr(policy, "params", None)
+    if is_dataclass(chosen) and "seed" in {f.name for f in fields(chosen)} and chosen.seed is None:
+        policy = make_pick_policy(name, {**dict(params or {}), "seed": seed})
+    return policy
+
+
+class Replica:
+    """One ext_proc process."""
+
+    def __init__(self, policy_name: str, seed: int, clock, params: Mapping[str, Any] | None = None) -> None:  # type: ignore[no-untyped-def]
+        self.cost = CostModel()
+        self.outstanding = Outstanding(clock=clock)
+        self.picker = Picker(seeded_pick_policy(policy_name, seed, params), self.cost, self.outstanding, clock=clock)
+        self.picks = 0
+        self.fallbacks = 0
+
+
+class ExtProcBalancer:
+    """Envoy + ext_proc replicas + the control plane's weights (configuration ``inferlb_ext_proc``)."""
+
+    name = "inferlb_ext_proc"
+
+    def __init__(self, fleet: SimFleet, rng: random.Random, ids: Sequence[str], replicas: int, clock,  # type: ignore[no-untyped-def]
+                 policy: str = DEFAULT_PICK_POLICY, params: Mapping[str, Any] | None = None,
+                 inputs_per_request: int = 1) -> None:
+        self._rng = random.Random(rng.random())
+        self.replicas = [Replica(policy, rng.randrange(1 << 30), clock, params) for _ in range(replicas)]
+        self.fallback = WeightedLeastRequest(fleet, rng)
+        self._ids = tuple(ids)
+        self._index = {e: i for i, e in enumerate(self._ids)}
+        self._endpoints: tuple[EndpointInfo, ...] = tuple(
+            EndpointInfo(id=e, address=e.rpartition(":")[0], port=int(e.rpartition(":")[2])) for e in self._ids)
+        self._views: dict[tuple[int, int], RequestView] = {}
+        self._inputs = inputs_per_request
+        self._who: dict[int, tuple[Replica, int, float]] = {}  # request -> (replica, tokens, predicted_s)
+        self.name = "inferlb_ext_proc" if policy == DEFAULT_PICK_POLICY else f"inferlb_pick:{policy}"
+
+    def set_eds(self, weights: Sequence[int], telemetry: Sequence[Mapping[str, float]]) -> None:
+        """A new EDS view (weights + rich telemetry) reaches every replica and Envoy's fallback."""
+        self._endpoints = tuple(
+            EndpointInfo(id=e.id, address=e.address, port=e.port, weight=int(w), telemetry=t)
+            for e, w, t in zip(self._endpoints, weights, telemetry))
+        self.fallback.set_weights(weights)
+
+    def pick(self, request: int, tokens: int, now: float) -> int:
+        replica = self.replicas[int(self._rng.random() * len(self.replicas))] if len(self.replicas) > 1 \
+            else self.replicas[0]
+        view = self._views.get((tokens, self._inputs))
+        if view is None:
+            view = self._views[(tokens, self._inputs)] = RequestView(tokens=tokens * self._inputs, estimated=False,
+                                                                     model=None, inputs=self._inputs)
+        decision = replica.picker.decide(view, self._endpoints)
+        if decision is None:
+            replica.fallbacks += 1
+            return self.fallback.pick(request, tokens, now)
+        replica.picks += 1
+        primary = decision.primary
+        replica.outstanding.begin(request, primary, view.tokens, decision.predicted_s)
+        self._who[request] = (replica, view.tokens, decision.predicted_s)
+        return self._index[primary]
+
+    def completed(self, request: int, worker: int, now: float, service_s: float, inflight: int) -> None:
+        who = self._who.pop(request, None)
+        if who is None:
+            return  # routed by the fallback: ext_proc picked nothing, so it does not watch the response
+        replica, tokens, predicted_s = who
+        endpoint = self._ids[worker]
+        replica.picker.note_load(endpoint, {ORCA_INFLIGHT_KEY: float(inflight)})
+        replica.cost.observe(endpoint, tokens, service_s, predicted_s)
+        replica.outstanding.finish(request)
+
+    def ticks(self) -> Sequence[tuple[float, Tick]]:
+        return ()

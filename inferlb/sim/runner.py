@@ -1,0 +1,198 @@
+"""One simulated run (configuration x load) from a scenario, and its figures as a ``RunResult``.
+
+The run replays ``build_trace(workload, load * capacity, warmup + duration,
+seed)``, the very trace the live bench sends for that load, and measures the
+requests scheduled after the warm-up, like the bench's load generator:
+latency from the scheduled send time to completion (no network, no proxy
+overhead), a timeout when that exceeds ``request_timeout_s``. The slowdown
+run multiplies one worker's speed by ``slowdown.factor`` at ``slowdown.at_s``
+seconds into the measured window (after the warm-up), as the bench does.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from inferlb.bench.histogram import LatencyHistogram
+from inferlb.bench.results import RunResult
+from inferlb.bench.scenario import PICK_PREFIX, Scenario
+from inferlb.bench.trace import build_trace
+
+from .balancers import (
+    CswrrOrca,
+    CswrrParams,
+    LeastRequest,
+    NginxLeastConn,
+    RoundRobin,
+    WeightedLeastRequest,
+)
+from .engine import Balancer, Clock, Engine
+from .ext_proc_model import ExtProcBalancer
+from .fleet import LOAD_SAMPLE_PERIOD_S, SimFleet
+from .weights import ControlPlaneModel
+
+STEADY, SLOWDOWN = "steady", "slowdown"
+
+
+@dataclass(frozen=True)
+class SimOptions:
+    """Knobs of the models that the scenario file does not hold."""
+
+    cswrr: CswrrParams = field(default_factory=CswrrParams)
+    push_delay_s: float = 0.1  # control plane debounce between a scrape and EDS reaching the data plane
+
+
+def mean_service_s(scenario: Scenario) -> float:
+    """Expected service seconds of one request at speed 1 under the workload's length mix."""
+    f = scenario.fleet
+    mean_tokens = sum(b.share * (b.min_tokens + b.max_tokens) / 2 for b in scenario.workload.mix)
+    return (f.fixed_s + f.per_token_s * mean_tokens * scenario.workload.inputs_per_request) * f.cost_scale
+
+
+def capacity_rps(scenario: Scenario) -> float:
+    """Requests/s at load 1.0: the scenario's, else the fleet's theoretical throughput (sum of speed x slots
+    over the mean service time). The live bench searches for it instead (p99 crossing the SLO)."""
+    if scenario.capacity_rps > 0:
+        return scenario.capacity_rps
+    return sum(w.speed * w.slots for w in scenario.fleet.workers) / mean_service_s(scenario)
+
+
+def _seed(scenario: Scenario, configuration: str, load: float, run: str) -> int:
+    """A balancer's random stream: fixed per (scenario seed, configuration, load, run), so runs replay."""
+    text = f"{scenario.seed}|{configuration}|{load:.6f}|{run}"
+    return int.from_bytes(text.encode(), "little") % (1 << 61)
+
+
+def build_balancer(configuration: str, scenario: Scenario, fleet: SimFleet, engine_at: Callable, clock: Clock,
+                   rng: random.Random, options: SimOptions) -> Balancer:
+    """The data plane named ``configuration`` over ``fleet``; the control-plane loop scheduled where needed."""
+    if configuration == "envoy_round_robin":
+        return RoundRobin(fleet, rng)
+    if configuration == "envoy_least_request":
+        return LeastRequest(fleet, rng)
+    if configuration == "nginx_least_conn":
+        return NginxLeastConn(fleet, rng)
+    if configuration == "envoy_cswrr_orca":
+        return CswrrOrca(fleet, rng, options.cswrr)
+    if configuration == "inferlb_weights":
+        balancer: Any = WeightedLeastRequest(fleet, rng)
+        balancer.name = configuration
+        on_weights = lambda weights, telemetry: balancer.set_weights(weights)
+    elif configuration == "inferlb_ext_proc" or configuration.startswith(PICK_PREFIX):
+        policy = configuration[len(PICK_PREFIX):] if configuration.startswith(PICK_PREFIX) else None
+        ids = tuple(f"127.0.0.1:{8101 + i}" for i in range(len(fleet)))
+        kwargs = {"policy": policy} if policy else {}
+        balancer = ExtProcBalancer(fleet, rng, ids, scenario.ext_proc_replicas, clock,
+                                   inputs_per_request=scenario.workload.inputs_per_request, **kwargs)
+        balancer.name = configuration
+        on_weights = balancer.set_eds
+    else:
+        raise ValueError(f"unknown configuration {configuration!r}")
+    control = ControlPlaneModel(fleet, scenario.scrape_interval_s, on_weights, engine_at,
+                                push_delay_s=options.push_delay_s)
+    engine_at(scenario.scrape_interval_s, control.scrape)
+    balancer.control_plane = control
+    return balancer
+
+
+def simulate(scenario: Scenario, configuration: str, load: float | None = None, *, run: str = STEADY,
+             rate_rps: float | None = None, options: SimOptions | None = None,
+             progress: Callable[[int], None] | None = None) -> tuple[RunResult, dict[str, Any]]:
+    """Simulate one run; returns its RunResult (source "sim") and raw arrays for tests
+    (``latency`` per measured request, NaN when it never completed, ``worker``, ``tokens``).
+
+    ``rate_rps`` offers that rate instead of ``load * capacity`` (``load`` is then reported as the fraction).
+    """
+    options = options or SimOptions()
+    capacity = capacity_rps(scenario)
+    if rate_rps is None:
+        if load is None:
+            raise ValueError("give a load or a rate")
+        if run == SLOWDOWN and scenario.slowdown is None:
+            raise ValueError("the scenario has no slowdown")
+        rate_rps = load * capacity
+    else:
+        load = rate_rps / capacity
+    total_s = scenario.warmup_s + scenario.duration_s
+    trace = build_trace(scenario.workload, rate_rps, total_s, scenario.seed)
+    fleet = SimFleet(scenario.fleet, scenario.workload.inputs_per_request)
+    clock = Clock()
+    rng = random.Random(_seed(scenario, configuration, load, run))
+    balancer: Balancer | None = None
+    engine_calls: list[tuple[float, Callable]] = []
+
+    def at(when: float, call: Callable) -> None:  # scheduling before the engine exists is queued
+        if engine is None:
+            engine_calls.append((when, call))
+        else:
+            engine.at(when, call)
+
+    engine: Engine | None = None
+    balancer = build_balancer(configuration, scenario, fleet, at, clock, rng, options)
+    engine = Engine(fleet, balancer, clock)
+    for when, call in engine_calls:
+        engine.at(when, call)
+    engine.at(LOAD_SAMPLE_PERIOD_S, lambda now: (fleet.sample_load(now), now + LOAD_SAMPLE_PERIOD_S)[1])
+    if run == SLOWDOWN and scenario.slowdown is not None:
+        slow = scenario.slowdown
+        worker = fleet.workers[slow.worker]
+
+        def slow_down(now: float) -> None:
+            worker.speed *= slow.factor
+
+        engine.at(scenario.warmup_s + slow.at_s, slow_down)  # at_s counts from the measured window, as the bench
+    until = total_s + scenario.request_timeout_s
+    cpu = time.process_time()
+    outcome = engine.run(trace.send_at_s, trace.tokens, until, progress)
+    cpu = time.process_time() - cpu
+    result, raw = _result(scenario, configuration, load, rate_rps, run, trace, outcome, balancer)
+    raw["cpu_s"] = cpu  # not in the RunResult: it would make equal runs differ
+    return result, raw
+
+
+def _result(scenario: Scenario, configuration: str, load: float, rate_rps: float, run: str, trace, outcome,
+            balancer) -> tuple[RunResult, dict[str, Any]]:  # type: ignore[no-untyped-def]
+    measured = trace.send_at_s >= scenario.warmup_s
+    latency = outcome.finished_at[measured] - trace.send_at_s[measured]
+    worker = outcome.worker[measured]
+    done = np.isfinite(latency) & (latency <= scenario.request_timeout_s)
+    hist = LatencyHistogram()
+    ok = latency[done]
+    if ok.size:
+        us = np.clip(np.rint(ok * 1e6), 1, 60_000_000)
+        values, counts = np.unique(us, return_counts=True)
+        for v, c in zip(values.tolist(), counts.tolist()):
+            hist.record(v / 1e6, c)
+    s = hist.summary()
+    spread_counts = np.bincount(worker[done], minlength=len(scenario.fleet.workers))
+    extra: dict[str, Any] = {"events": outcome.events, "capacity_rps": capacity_rps(scenario),
+                             "workers": len(scenario.fleet.workers)}
+    replicas = getattr(balancer, "replicas", None)
+    if replicas:
+        extra["ext_proc_replicas"] = len(replicas)
+        extra["ext_proc_picks"] = [r.picks for r in replicas]
+        extra["ext_proc_fallbacks"] = sum(r.fallbacks for r in replicas)
+        mapes = [r.cost.mape() for r in replicas]
+        finite = [m for m in mapes if math.isfinite(m)]
+        if finite:
+            extra["cost_mape"] = round(sum(finite) / len(finite), 4)
+    control = getattr(balancer, "control_plane", None)
+    if control is not None and len(control.weights) <= 64:
+        extra["weights"] = list(control.weights)
+    result = RunResult(
+        configuration=configuration, load=round(load, 6), offered_rps=rate_rps, duration_s=scenario.duration_s,
+        sent=int(measured.sum()), completed=int(done.sum()), errors=0, timeouts=int((~done).sum()),
+        p50_s=s.p50_s, p90_s=s.p90_s, p99_s=s.p99_s, p999_s=s.p999_s, mean_s=s.mean_s,
+        goodput_rps=float((ok <= scenario.slo_s).sum()) / scenario.duration_s, slo_s=scenario.slo_s,
+        run=run, source="sim", spread={str(i): int(c) for i, c in enumerate(spread_counts.tolist())},
+        cdf=hist.cdf_points(), extra=extra,
+    )
+    raw = {"latency": latency, "worker": worker, "tokens": trace.tokens[measured]}
+    return result, raw
