@@ -34,8 +34,9 @@ class _Params(BaseModel):
 
 class LeastCompletionTimeParams(_Params):
     d: int = Field(4, ge=1, le=1000, description="candidates scored per decision on larger fleets (power-of-d)")
-    weight_exponent: float = Field(1.0, ge=0.0, le=4.0, description="0 ignores the weights in the score")
-    sample_weighted: bool = Field(True, description="sample the d candidates proportionally to weight")
+    weight_exponent: float = Field(0.0, ge=0.0, le=4.0,
+                                   description="0: the cost model alone judges speed; 1: weights as relative capacity")
+    sample_weighted: bool = Field(False, description="sample the d candidates proportionally to weight (else uniformly)")
     fallbacks: int = Field(2, ge=0, le=2, description="retry fallbacks after the primary pick")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="random seed (tests); null: random")
 

@@ -302,10 +302,12 @@ def window(prev: Sample, cur: Sample) -> WindowFigures:
 _LATENCY_FIELDS = (
     "latency_mean_s", "latency_p50_s", "latency_p99_s", "latency_per_token_s", "queue_wait_mean_s", "error_rate",
 )
-# Rates and gauges: always measured, an idle window really is zero.
-_RATE_FIELDS = ("rps", "tokens_per_s", "cpu_utilization", "queue_depth", "inflight")
-# The worker's own least-squares fit, already smoothed there: taken as reported.
-_LATEST_FIELDS = ("batch_cost_per_token_s", "batch_cost_fixed_s")
+# Rates: always measured, an idle window really is zero.
+_RATE_FIELDS = ("rps", "tokens_per_s", "cpu_utilization")
+# Taken as reported: the worker's own least-squares fit (already smoothed there), and the queue and
+# in-flight gauges. ext_proc counts other routers' work from the gauges; an EWMA of them lags the
+# truth by seconds, so replicas would herd onto workers that only look idle.
+_LATEST_FIELDS = ("batch_cost_per_token_s", "batch_cost_fixed_s", "queue_depth", "inflight")
 
 
 def smooth(prev: Telemetry | None, figures: WindowFigures, at: float, alpha: float) -> Telemetry:

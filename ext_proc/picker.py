@@ -11,15 +11,22 @@ The picker owns what every policy needs and none should get wrong:
   the policy has it) are costed, so power-of-d stays O(d).
 * **Outstanding work** of a candidate, in predicted seconds::
 
-      outstanding_s = ours_s + max(0, reported_inflight - ours_requests) * cost(mean_tokens)
+      outstanding_s = ours_s + max(0, foreign) * cost(mean_tokens)
+      foreign = reported + replica_factor * (ours_now - ours_then) - ours_now
 
   ``ours_s`` is the predicted cost of this ext_proc's requests in flight
   there (exact and fresh; a running request counts in full, which errs on
-  the safe side when the worker's overheads exceed its compute time). The
-  worker's reported in-flight requests (the fresher of the last ORCA report
-  noted here and the telemetry key ``inflight``) include ours, so only the
-  excess is foreign work (other ext_procs, Envoy's fail-open traffic); it is
-  costed at this ext_proc's mean request size. Requests, not queued inputs,
+  the safe side when the worker's overheads exceed its compute time).
+  ``reported`` is the worker's in-flight count from the fresher snapshot: the
+  last ORCA report noted here if it came after the current EDS view, else the
+  EDS telemetry key ``inflight`` (the raw gauge); ``ours_then`` is what we had
+  in flight there at that snapshot. Everything we began or finished since is
+  extrapolated, times ``replica_factor`` (fleet requests/s in telemetry over
+  our own decisions/s: about the number of ext_proc replicas): the other
+  replicas are assumed to act as we do, so that ten replicas do not all herd
+  onto a worker that looked idle half a second ago. With one replica the
+  factor is ~1 and this is exact bookkeeping of our own work. Foreign work is
+  costed at this ext_proc's mean request size; requests, not queued inputs,
   are the unit because that is what ext_proc counts of its own.
 * **Validation.** Ids the policy made up or repeated are dropped; at most a
   primary and two fallbacks are returned.
@@ -37,6 +44,7 @@ from .outstanding import Outstanding
 
 ORCA_INFLIGHT_KEY = "named_metrics.inflight"
 MAX_RANKED = 3  # a primary and up to two retry fallbacks (Endpoint Picker Protocol)
+MAX_REPLICA_FACTOR = 64.0
 
 
 class CostPredictor(Protocol):
@@ -84,7 +92,13 @@ class Picker:
         self._mean_tokens = mean_tokens_prior
         self._seen: Sequence[EndpointInfo] | None = None
         self._routable: Sequence[EndpointInfo] = ()
-        self._loads: dict[str, tuple[float, float]] = {}  # endpoint -> (foreign-inclusive in-flight, noted at)
+        # endpoint -> (in-flight after the answered request, ours then, noted at): the last ORCA report
+        self._loads: dict[str, tuple[float, int, float]] = {}
+        self._eds_at = -1.0  # when the current EDS view (and its telemetry) arrived
+        self._ours_at_eds: dict[str, int] = {}  # our requests in flight per endpoint then
+        self._decisions = 0  # since the last EDS view
+        self._own_rps = 0.0  # this ext_proc's decisions per second (EWMA over EDS intervals)
+        self.replica_factor = 1.0  # fleet requests/s over ours: how many of us there are, in effect
         self.set_policy(policy)
 
     # -- policy ------------------------------------------------------------------------------
@@ -106,12 +120,15 @@ class Picker:
     def note_load(self, endpoint_id: str, orca: Mapping[str, float]) -> None:
         """Remember an endpoint's ORCA report (``cost.parse_orca`` of ``endpoint-load-metrics``).
 
-        The worker takes it while the answered request still counts, and that
-        request is finished by the time the next pick reads it: one is taken off.
+        Called before the answered request is released (as ``server.py`` does):
+        the worker took the report while that request still counted, and it is
+        finished by the time the next pick reads it, so one is taken off both
+        the report and our own count then.
         """
         inflight = orca.get(ORCA_INFLIGHT_KEY)
         if inflight is not None:
-            self._loads[endpoint_id] = (max(0.0, inflight - 1.0), self._clock())
+            ours = self.outstanding.requests_of(endpoint_id)
+            self._loads[endpoint_id] = (max(0.0, inflight - 1.0), max(0, ours - 1), self._clock())
 
     # -- decisions ---------------------------------------------------------------------------
     def routable(self, endpoints: Sequence[EndpointInfo]) -> Sequence[EndpointInfo]:
@@ -123,7 +140,25 @@ class Picker:
                 ids = {e.id for e in endpoints}
                 for gone in [e for e in self._loads if e not in ids]:
                     del self._loads[gone]
+            self._new_view(endpoints)
         return self._routable
+
+    def _new_view(self, endpoints: Sequence[EndpointInfo]) -> None:
+        """A new EDS view: its telemetry is a fresh snapshot of every worker's load. Remember what we had
+        in flight at that moment (to extrapolate from it) and how large our share of the traffic is."""
+        now = self._clock()
+        elapsed = now - self._eds_at if self._eds_at >= 0 else 0.0
+        if elapsed > 0:
+            rate = self._decisions / elapsed
+            self._own_rps = rate if self._own_rps <= 0 else self._own_rps + 0.3 * (rate - self._own_rps)
+        self._decisions = 0
+        self._eds_at = now
+        self._ours_at_eds = {e: t.requests for e, t in self.outstanding.snapshot().items()}
+        fleet_rps = 0.0
+        for e in endpoints:
+            fleet_rps += e.telemetry.get("rps", 0.0)
+        own = self._own_rps
+        self.replica_factor = min(MAX_REPLICA_FACTOR, fleet_rps / own) if own > 0 and fleet_rps > own else 1.0
 
     def decide(self, request: RequestView, endpoints: Sequence[EndpointInfo]) -> Decision | None:
         """Rank routable endpoints for ``request``; None when none is routable or the policy ranked none.
@@ -142,6 +177,10 @@ class Picker:
         loads = self._loads
         key = self.reported_load_key
         mean_tokens = int(self._mean_tokens)
+        eds_at = self._eds_at
+        ours_at_eds = self._ours_at_eds
+        factor = self.replica_factor
+        self._decisions += 1
         now = -1.0
         candidates: list[Candidate] = []
         for e in pool:
@@ -158,12 +197,16 @@ class Picker:
                 if noted is not None:
                     if now < 0:
                         now = self._clock()
-                    if now - noted[1] <= self.load_ttl_s:
-                        reported = noted[0]
+                    if noted[2] >= eds_at or now - noted[2] <= self.load_ttl_s and key not in telemetry:
+                        reported, ours_then = noted[0], noted[1]
             if reported is None:
                 reported = telemetry.get(key)
-            if reported is not None and reported > requests:
-                outstanding_s += (reported - requests) * predict(endpoint_id, mean_tokens, telemetry)
+                ours_then = ours_at_eds.get(endpoint_id, 0)
+            if reported is not None:
+                # everyone's work now ~ the snapshot + what we began since (net), times our replica factor
+                foreign = reported + factor * (requests - ours_then) - requests
+                if foreign > 0:
+                    outstanding_s += foreign * predict(endpoint_id, mean_tokens, telemetry)
             candidates.append(Candidate(e, predict(endpoint_id, tokens, telemetry), outstanding_s, requests,
                                         load.tokens))
         if not candidates:

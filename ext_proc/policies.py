@@ -11,18 +11,24 @@ of 10,000 stays O(d). The picker calls it when present.
     score = (outstanding_s + predicted_cost_s) / weight ** weight_exponent
 
 i.e. predicted completion time (the work already queued there plus this
-request's own cost) with the control-plane weight read as relative capacity:
-with the default exponent 1, an endpoint of weight 200 is taken to drain work
-twice as fast as one of weight 100. The cost model already learns speed, so
-weights partly count twice; that errs toward the operator's pins and the
-control plane's CPU view, and ``weight_exponent: 0`` trusts the cost model
-alone. The lowest score wins, exact ties at random.
+request's own cost). By default (``weight_exponent: 0``) the weight is not in
+the score: the cost model already learns each endpoint's speed from its own
+timings, and the capacity weights grow roughly with speed squared, so
+dividing by them (and sampling by them) counted speed two or three times and
+starved slow workers of work they could do (simulated, 8 workers at 80%:
+p99 342 -> 217 ms, goodput 151 -> 162/s). ``weight_exponent: 1`` reads an
+endpoint of weight 200 as draining work twice as fast as one of weight 100,
+which lets operator pins and the control plane's CPU view steer ext_proc's
+picks too. The lowest score wins, exact ties at random.
 
 Power-of-d: with more than ``d`` routable endpoints, ``d`` distinct ones are
-sampled (proportionally to weight) and only they are scored. d defaults to 4,
-not 2: the outstanding work ext_proc knows of its own requests is exact and
-fresh, so more choices keep improving the pick while each costs ~2 µs;
-random sampling still keeps several ext_procs from herding onto one endpoint.
+sampled (uniformly by default; ``sample_weighted: true`` samples
+proportionally to weight) and only they are scored. d defaults to 4, not 2:
+the outstanding work ext_proc knows of its own requests is exact and fresh,
+so more choices keep improving the pick while each costs ~2 µs; with several
+ext_procs and stale reports of each other's work, random sampling still keeps
+them from herding onto one endpoint that only looks idle (simulated, 1,000
+workers, 10 replicas: d = 2 p99 761 ms, d = 3 483, d = 4 417, d = 8 353).
 
 User policies (an ``inferlb.policies`` entry point or a ``module:attribute``
 spec) are loaded and contained by ``policy_loading.py``; ``make_pick_policy``
@@ -100,8 +106,8 @@ def _check(policy: str, ok: bool, message: str) -> None:
 @dataclass(frozen=True)
 class LeastCompletionTimeParams(_Params):
     d: int = 4  # candidates scored per decision when the fleet is larger
-    weight_exponent: float = 1.0  # 0: ignore weights in the score
-    sample_weighted: bool = True  # sample the d candidates proportionally to weight
+    weight_exponent: float = 0.0  # 0: the cost model alone judges speed; 1: weights as relative capacity
+    sample_weighted: bool = False  # sample the d candidates proportionally to weight (else uniformly)
     fallbacks: int = 2
     seed: int | None = None
     KINDS: ClassVar[Mapping[str, str]] = {"d": "int", "weight_exponent": "float", "sample_weighted": "bool",

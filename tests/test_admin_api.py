@@ -357,7 +357,7 @@ def test_policy_listing_switching_and_validation(stack: tuple[ControlPlane, SimW
     policy = admin.ok("GET", "/v1/policy")
     assert policy["weight"]["name"] == "capacity" and policy["weight"]["params"]["max_step"] == 1.5
     assert policy["pick"] == {"name": "least_completion_time",
-                              "params": {"d": 4, "weight_exponent": 1.0, "sample_weighted": True, "fallbacks": 2,
+                              "params": {"d": 4, "weight_exponent": 0.0, "sample_weighted": False, "fallbacks": 2,
                                          "seed": None}}
     weight_names = {p["name"]: p for p in policy["available"]["weight"]}
     pick_names = {p["name"]: p for p in policy["available"]["pick"]}

@@ -56,7 +56,7 @@ OPERATIONS = [
     ("PUT", "/v1/endpoints/{endpoint_id}/weight"), ("DELETE", "/v1/endpoints/{endpoint_id}/weight"),
     ("POST", "/v1/endpoints/{endpoint_id}/drain"), ("DELETE", "/v1/endpoints/{endpoint_id}/drain"),
     ("GET", "/v1/policy"), ("PUT", "/v1/policy"),
-    ("GET", "/v1/xds/clients"),
+    ("GET", "/v1/xds/clients"), ("GET", "/v1/dataplane"),
     ("GET", "/healthz"), ("GET", "/readyz"),
 ]
 

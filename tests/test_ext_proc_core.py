@@ -396,9 +396,14 @@ def test_lct_prefers_the_faster_endpoint_for_a_long_request() -> None:
     assert tiny is not None and tiny.primary == slow.id
 
 
+def test_lct_defaults_leave_weights_out_of_sampling_and_score() -> None:
+    params = LeastCompletionTimeParams()
+    assert (params.weight_exponent, params.sample_weighted, params.d) == (0.0, False, 4)
+
+
 def test_lct_respects_weights_as_capacity() -> None:
     big, small = endpoint(1, weight=300), endpoint(2, weight=100)
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=5)))
+    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=5, weight_exponent=1)))
     picks: Counter[str] = Counter()
     for i in range(400):
         d = picker.decide(view(64), (big, small))
@@ -460,7 +465,7 @@ def test_power_of_d_samples_by_weight() -> None:
     fleet = tuple(endpoint(i, weight=1000 if i < 10 else 1) for i in range(1000))
     heavy = {e.id for e in fleet[:10]}
     cost = CountingCost()
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(d=2, seed=2, weight_exponent=0)), cost)
+    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(d=2, seed=2, sample_weighted=True)), cost)
     for _ in range(200):
         picker.decide(view(32), fleet)
     share = sum(c in heavy for c in cost.calls) / len(cost.calls)
@@ -574,10 +579,48 @@ def test_picker_counts_foreign_work_from_telemetry_and_orca() -> None:
     assert d is not None and d.ranked[1] == a.id
     cands = {c.id: c for c in _candidates(picker, view(32), (a, b))}
     assert cands[a.id].outstanding_s == pytest.approx(0.008 + 3 * 0.008, rel=0.1)
-    picker.note_load(a.id, parse_orca("TEXT named_metrics.inflight=2"))  # fresh: 1 after the answered one, ours
+    # a response to "answered" (ours, still counted, as server.py notes before releasing): 2 in flight there,
+    # both ours, so no foreign work; the ORCA report is newer than the EDS view, so it wins
+    picker.outstanding.begin("answered", a.id, 32, 0.008)
+    clock.now += 0.1
+    picker.note_load(a.id, parse_orca("TEXT named_metrics.inflight=2"))
+    picker.outstanding.finish("answered")
     assert {c.id: c for c in _candidates(picker, view(32), (a, b))}[a.id].outstanding_s == pytest.approx(0.008)
-    clock.now += 5  # stale: back to telemetry
-    assert {c.id: c for c in _candidates(picker, view(32), (a, b))}[a.id].outstanding_s > 0.02
+    clock.now += 0.1
+    fresh_eds = (endpoint(1, telemetry={"inflight": 4}), b)  # a newer EDS view: its telemetry is the fresher
+    assert {c.id: c for c in _candidates(picker, view(32), fresh_eds)}[a.id].outstanding_s > 0.02
+
+
+def test_picker_extrapolates_a_load_report_with_what_it_began_since() -> None:
+    clock = FakeClock()
+    a, b = endpoint(1), endpoint(2)
+    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)), clock=clock)
+    picker.decide(view(32), (a, b))
+    picker.outstanding.begin("answered", a.id, 32, 0.008)
+    picker.note_load(a.id, parse_orca("TEXT named_metrics.inflight=4"))  # 3 foreign after the answered one
+    picker.outstanding.finish("answered")
+    picker.outstanding.begin("later", a.id, 32, 0.008)  # began after the report: not in it, yet counted
+    cands = {c.id: c for c in _candidates(picker, view(32), (a, b))}
+    assert cands[a.id].outstanding_s == pytest.approx(0.008 + 3 * 0.008, rel=0.1)
+
+
+def test_picker_scales_its_own_picks_by_its_share_of_the_fleet_traffic() -> None:
+    """With telemetry saying the fleet serves 10x what this ext_proc sends, each request it began since
+    the snapshot stands for 10: the other replicas are taken to act alike instead of herding blind."""
+    clock = FakeClock()
+    fleet = (endpoint(1, telemetry={"inflight": 0, "rps": 50}), endpoint(2, telemetry={"inflight": 0, "rps": 50}))
+    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)), clock=clock)
+    picker.decide(view(32), fleet)
+    for i in range(10):  # 10 decisions/s of our own
+        picker.decide(view(32), fleet)
+    clock.now += 1.0
+    again = tuple(endpoint(i, telemetry={"inflight": 0, "rps": 50}) for i in (1, 2))
+    picker.decide(view(32), again)
+    assert picker.replica_factor == pytest.approx(100 / 11, rel=0.01)
+    picker.outstanding.begin("ours", again[0].id, 32, 0.008)
+    cands = {c.id: c for c in _candidates(picker, view(32), again)}
+    assert cands[again[0].id].outstanding_s == pytest.approx(0.008 * 100 / 11, rel=0.1)
+    assert cands[again[1].id].outstanding_s == 0.0
 
 
 def _candidates(picker: Picker, request: RequestView, fleet: Sequence[EndpointInfo]) -> list[Candidate]:

@@ -201,6 +201,14 @@ def test_smooth_is_an_ewma() -> None:
     assert t.error_rate == pytest.approx(0.125)
 
 
+def test_smooth_takes_the_queue_and_inflight_gauges_as_reported() -> None:
+    """ext_proc counts other routers' work from these: an EWMA would lag the worker by seconds."""
+    prev = Telemetry(observed_at=1.0, rps=10.0, queue_depth=8.0, inflight=9.0)
+    t = smooth(prev, _figures(rps=20.0, queue_depth=0.0, inflight=1.0), at=2.0, alpha=0.25)
+    assert (t.queue_depth, t.inflight) == (0.0, 1.0)
+    assert t.rps == pytest.approx(12.5)
+
+
 def test_idle_window_keeps_latency_but_updates_rates() -> None:
     prev = Telemetry(observed_at=1.0, rps=10.0, tokens_per_s=400.0, latency_mean_s=0.02, latency_p50_s=0.015,
                      latency_p99_s=0.08, latency_per_token_s=0.001, queue_wait_mean_s=0.003, error_rate=0.2,
