@@ -12,7 +12,7 @@ APT_PACKAGES := nginx postgresql
 BENCH_APT_PACKAGES := wrk
 export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 
-.PHONY: up test venv model system-deps apt-install bench clean help
+.PHONY: up test venv model system-deps apt-install bench bench-routing clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -51,6 +51,14 @@ bench: model  ## benchmarks (results go in docs/benchmarks.md)
 	$(PY) scripts/bench_worker.py --json docs/bench_worker.json
 	$(PY) scripts/bench_xds.py --json docs/bench_xds.json
 	$(PY) scripts/bench_ext_proc.py --json docs/bench_ext_proc.json
+	@$(MAKE) --no-print-directory bench-routing
+
+# inferlb against Envoy's and NGINX's own balancers on the emulated heterogeneous fleet, the
+# simulator checked against that live run, then the simulator at fleet scale (about 25 minutes).
+bench-routing: venv system-deps  ## routing benchmark: live scenario run, simulator validation, fleet scale
+	$(VENV)/bin/inferlb bench run --scenario scenarios/default.toml --out docs/bench/routing --no-progress
+	$(VENV)/bin/inferlb sim --validate docs/bench/routing/results.json --json docs/bench/routing/sim_validation.json --no-progress
+	$(VENV)/bin/inferlb sim --scenario scenarios/sim_scale.toml --json docs/bench/sim_scale.json --no-progress
 
 clean:  ## remove .venv and the data directory
 	rm -rf $(VENV) $(INFERLB_DATA_DIR)

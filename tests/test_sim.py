@@ -30,8 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def small(speeds=(1.0, 1.0, 0.5, 0.25), **changes) -> Scenario:  # type: ignore[no-untyped-def]
+    # no constant hop overhead: the exactness tests compare with hand-computed queues
     base = Scenario(name="small", duration_s=4.0, warmup_s=1.0, slowdown=None, loads=(0.6,),
-                    fleet=Fleet(workers=tuple(WorkerSpec(s) for s in speeds)))
+                    fleet=Fleet(workers=tuple(WorkerSpec(s) for s in speeds)),
+                    hop_overhead_s=0.0, ext_proc_overhead_s=0.0)
     return replace(base, **changes)
 
 
@@ -199,3 +201,13 @@ def test_validate_pairs_live_and_sim_and_flags_differences(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     assert "FLAG" in done.stdout and f"{TOLERANCE:.0%}" in done.stdout
     assert len(json.loads((tmp_path / "cmp.json").read_text())) == 2
+
+
+def test_the_constant_overheads_shift_latency_and_nothing_else() -> None:
+    plain = small()
+    shifted = replace(plain, hop_overhead_s=0.003, ext_proc_overhead_s=0.004)
+    for configuration, added in (("envoy_least_request", 0.003), ("inferlb_ext_proc", 0.007)):
+        _, a = simulate(plain, configuration, rate_rps=20.0)
+        _, b = simulate(shifted, configuration, rate_rps=20.0)
+        assert np.array_equal(a["worker"], b["worker"])  # the same routing
+        assert np.allclose(b["latency"] - a["latency"], added, rtol=0, atol=1e-9)

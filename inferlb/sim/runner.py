@@ -3,8 +3,8 @@
 The run replays ``build_trace(workload, load * capacity, warmup + duration,
 seed)``, the very trace the live bench sends for that load, and measures the
 requests scheduled after the warm-up, like the bench's load generator:
-latency from the scheduled send time to completion (no network, no proxy
-overhead), a timeout when that exceeds ``request_timeout_s``. The slowdown
+latency from the scheduled send time to completion, plus the scenario's
+constant hop (and ext_proc) overhead, a timeout when that exceeds ``request_timeout_s``. The slowdown
 run multiplies one worker's speed by ``slowdown.factor`` at ``slowdown.at_s``
 seconds into the measured window (after the warm-up), as the bench does.
 """
@@ -157,10 +157,16 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
     return result, raw
 
 
+def overhead_s(scenario: Scenario, configuration: str) -> float:
+    """The constant per-request time the model leaves out (see ``Scenario.hop_overhead_s``)."""
+    uses_ext_proc = configuration == "inferlb_ext_proc" or configuration.startswith(PICK_PREFIX)
+    return scenario.hop_overhead_s + (scenario.ext_proc_overhead_s if uses_ext_proc else 0.0)
+
+
 def _result(scenario: Scenario, configuration: str, load: float, rate_rps: float, run: str, trace, outcome,
             balancer) -> tuple[RunResult, dict[str, Any]]:  # type: ignore[no-untyped-def]
     measured = trace.send_at_s >= scenario.warmup_s
-    latency = outcome.finished_at[measured] - trace.send_at_s[measured]
+    latency = outcome.finished_at[measured] - trace.send_at_s[measured] + overhead_s(scenario, configuration)
     worker = outcome.worker[measured]
     done = np.isfinite(latency) & (latency <= scenario.request_timeout_s)
     hist = LatencyHistogram()

@@ -75,10 +75,6 @@ class DataPlanePlan:
     notes: Mapping[str, Any] = field(default_factory=dict)  # recorded in every RunResult.extra
 
 
-def is_inferlb(configuration: str) -> bool:
-    return configuration in ("inferlb_weights", "inferlb_ext_proc") or configuration.startswith(PICK_PREFIX)
-
-
 def known_configuration(configuration: str) -> bool:
     return configuration in CONFIGURATIONS or (configuration.startswith(PICK_PREFIX)
                                                and len(configuration) > len(PICK_PREFIX))
@@ -174,5 +170,5 @@ def plan_data_plane(
                                 **({"pick_policy": pick} if pick else {})})
 
 
-__all__ = ["DataPlanePlan", "DataPlanePorts", "INFERENCE_PATH", "WORKERS_CLUSTER", "is_inferlb",
+__all__ = ["DataPlanePlan", "DataPlanePorts", "INFERENCE_PATH", "WORKERS_CLUSTER",
            "known_configuration", "plan_data_plane"]
