@@ -72,7 +72,8 @@ async def start_nginx(config: ControlPlaneConfig, controller: Controller,
 
 
 async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, stored: OperatorState | None = None,
-              token: AdminToken | None = None) -> None:
+              token: AdminToken | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (exit status 0) or until a component fails (1)."""
     cache = SnapshotCache()
     controller_ref: list[Controller] = []
     metrics = ControlPlaneMetrics(lambda: controller_ref[0].state)
@@ -119,9 +120,13 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
         "restored_overrides": len(stored.overrides),
         "state_db": store.location if store is not None else None,
     })
-    done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), *tasks], return_when=asyncio.FIRST_COMPLETED)
+    # A provider ends only on what retrying cannot fix (e.g. an unreadable kubeconfig): stop, exit 1.
+    watched = [*tasks, *discovery]
+    done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), *watched], return_when=asyncio.FIRST_COMPLETED)
+    failed = False
     for task in done:
-        if task in tasks and task.exception() is not None:
+        if task in watched and task.exception() is not None:
+            failed = True
             log.error("component failed", extra={"task": task.get_name(), "error": repr(task.exception())})
     log.info("stopping")
     if nginx is not None:  # first: nginx stops accepting and lets in-flight requests finish
@@ -136,6 +141,7 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     await controller.stop()
     tasks[0].cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,13 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log.info("admin API token", extra={"token_location": token.where(), "token_source": token.source})
     try:
-        asyncio.run(run(config, store, stored, token))
+        return asyncio.run(run(config, store, stored, token))
     except NginxError as exc:
         print(f"python -m control_plane: NGINX data plane: {exc}", file=sys.stderr)
         return 2
     finally:
         store.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -236,3 +236,24 @@ def test_control_plane_and_envoy_follow_the_endpointslices(replayed_api: Replaye
         wait_for(lambda: (sample(cp.metrics(), "inferlb_cp_discovery_errors_total", source="kubernetes") or 0) >= 1,
                  30, "the outage to be counted", [cp.proc])
         assert set(endpoints()) == {B} and set(envoy.hosts()) == {B}
+
+
+def test_an_unreadable_kubeconfig_stops_the_control_plane_with_a_clear_error(tmp_path: Path) -> None:
+    """Retrying cannot fix a missing kubeconfig: the control plane says so and exits 1, not silently on."""
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import free_port
+
+    env = {**os.environ, "INFERLB_CP_KUBERNETES_SERVICE": "default/workers",
+           "INFERLB_CP_KUBERNETES_KUBECONFIG": str(tmp_path / "missing-kubeconfig")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "control_plane", "--data-dir", str(tmp_path), "--xds-port", str(free_port()),
+         "--admin-port", str(free_port())],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    failure = [json.loads(line) for line in proc.stderr.splitlines() + proc.stdout.splitlines()
+               if '"component failed"' in line]
+    assert failure and failure[0]["task"] == "discovery-kubernetes"
+    assert "kube-config" in failure[0]["error"]
