@@ -28,7 +28,7 @@ from inferlb.bench.fleet import FleetLayout, outstanding, worker_argv
 from inferlb.bench.results import RunResult
 from inferlb.bench.runner import plan_configurations
 from inferlb.bench.scenario import Fleet, Scenario, WorkerSpec
-from inferlb.bench.table import render_markdown, target_ratios
+from inferlb.bench.table import render_markdown, spread_by_speed, target_ratios
 
 from .stack import envoy_binary
 
@@ -344,3 +344,12 @@ def test_target_ratios_and_markdown() -> None:
 def test_markdown_without_baselines_has_no_targets() -> None:
     md = render_markdown([_result("inferlb_ext_proc", 0.8, 0.1, 150.0)])
     assert "## Targets" not in md
+
+
+def test_the_spread_is_summarised_by_worker_speed() -> None:
+    r = replace(_result("envoy_least_request", 0.8, 0.5, 10.0),
+                spread={"h:1": 30, "h:2": 10, "h:3": 5},  # h:4 served nothing
+                extra={"worker_speeds": {"h:1": 1.0, "h:2": 1.0, "h:3": 0.25, "h:4": 0.25}})
+    assert spread_by_speed(r) == "speed 1: 20/worker, speed 0.25: 2/worker"
+    assert "| envoy_least_request | steady | 80% | speed 1: 20/worker, speed 0.25: 2/worker |" in render_markdown([r])
+    assert spread_by_speed(replace(r, extra={})) == ""  # no speeds recorded: no spread row

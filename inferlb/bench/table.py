@@ -73,6 +73,18 @@ def _cpu(r: RunResult) -> str:
     return f"{cpu:.0%}" if isinstance(cpu, (int, float)) else "-"
 
 
+def spread_by_speed(r: RunResult) -> str:
+    """``speed 1: 380/worker, speed 0.5: 190/worker, ...`` from the spread and ``extra.worker_speeds``."""
+    speeds = (r.extra or {}).get("worker_speeds") or {}
+    if not r.spread or not speeds:
+        return ""
+    by_speed: dict[float, list[int]] = {}
+    for worker, speed in speeds.items():
+        by_speed.setdefault(float(speed), []).append(int(r.spread.get(worker, 0)))
+    return ", ".join(f"speed {speed:g}: {sum(n) / len(n):.0f}/worker"
+                     for speed, n in sorted(by_speed.items(), reverse=True))
+
+
 def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench", capacity_rps: float | None = None,
                     capacity_note: str = "") -> str:
     """The whole table.md: one row per run (steady runs by load, then the slowdown runs), then the ratios."""
@@ -95,6 +107,11 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
             f"| {r.configuration} | {r.run} | {r.load:.0%} | {r.offered_rps:.1f} | {_ms(r.p50_s)} | {_ms(r.p90_s)} "
             f"| {_ms(r.p99_s)} | {_ms(r.p999_s)} | {r.goodput_rps:.1f} | {r.completed} | {r.errors} | {r.timeouts} "
             f"| {_cpu(r)} |")
+    spread_rows = [(r, spread_by_speed(r)) for r in ordered]
+    if any(text for _, text in spread_rows):
+        lines += ["", "## Spread", "", "Completed requests per worker, by the worker's speed (mean over the workers "
+                  "of that speed).", "", "| configuration | run | load | spread |", "|---|---|---:|---|"]
+        lines += [f"| {r.configuration} | {r.run} | {r.load:.0%} | {text} |" for r, text in spread_rows if text]
     ratios = target_ratios(results)
     if any(x.value is not None for x in ratios):
         lines += ["", "## Targets", "", "| ratio | value | better |", "|---|---:|---|"]
