@@ -26,7 +26,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from .config import ControlPlaneConfig, parse_endpoint
 from .debounce import Debouncer
@@ -48,9 +48,11 @@ log = logging.getLogger("inferlb.control_plane")
 ENVOYS_FIRST_MAX_WAIT_S = 0.5
 
 
-def _eds(state: FleetState, ext_proc: bool, memo: EndpointMemo | None) -> dict[str, Encoded]:
+def _eds(state: FleetState, ext_proc: bool, memo: EndpointMemo | None,
+         replicas: Sequence[str] = ()) -> dict[str, Encoded]:
     name = state.settings.workers_cluster
-    return {name: Encoded(ENDPOINT, name, encode_load_assignment(state, ext_proc=ext_proc, memo=memo))}
+    return {name: Encoded(ENDPOINT, name, encode_load_assignment(state, ext_proc=ext_proc, memo=memo,
+                                                                 replicas=replicas))}
 
 
 def build_snapshot(state: FleetState, epoch: str, memo: EndpointMemo | None = None) -> Snapshot:
@@ -59,9 +61,11 @@ def build_snapshot(state: FleetState, epoch: str, memo: EndpointMemo | None = No
     return Snapshot.from_resources(resources, epoch)
 
 
-def build_ext_proc_snapshot(state: FleetState, envoy_snapshot: Snapshot, memo: EndpointMemo | None = None) -> Snapshot:
-    """ext_proc's snapshot: ``envoy_snapshot`` (built from the same ``state``) with the rich EDS."""
-    return envoy_snapshot.replace_type(ENDPOINT, _eds(state, True, memo))
+def build_ext_proc_snapshot(state: FleetState, envoy_snapshot: Snapshot, memo: EndpointMemo | None = None,
+                            replicas: Sequence[str] = ()) -> Snapshot:
+    """ext_proc's snapshot: ``envoy_snapshot`` (built from the same ``state``) with the rich EDS
+    (``replicas``: the connected ext_proc node ids, which they partition a large fleet by)."""
+    return envoy_snapshot.replace_type(ENDPOINT, _eds(state, True, memo, replicas))
 
 
 def initial_state(config: ControlPlaneConfig) -> FleetState:
@@ -91,6 +95,7 @@ class Controller:
         self.snapshot: Snapshot | None = None  # the Envoys' (the cache's default)
         self.ext_proc_snapshot: Snapshot | None = None
         self.published_state: FleetState | None = None  # the state the Envoys' current snapshot was built from
+        self.published_replicas: tuple[str, ...] = ()  # the ext_proc node ids ext_proc's snapshot lists
         self._memos = (EndpointMemo(), EndpointMemo())  # Envoys', ext_proc's: used under _publish_lock only
         self.published = asyncio.Event()
         self._debouncer = Debouncer(self.publish, delay=config.debounce_s, max_delay=config.debounce_max_s)
@@ -143,6 +148,8 @@ class Controller:
             return dataclasses.replace(state, endpoints=endpoints)
 
         before = {e.id: (e.health, e.computed_weight) for e in self.state.endpoints}
+        if self.ext_proc_replicas() != self.published_replicas:  # one joined or left: re-publish the list
+            self._debouncer.mark()
         after = self.update(change)
         for e in after.endpoints:
             if e.id in before and before[e.id][0] != e.health:
@@ -172,6 +179,10 @@ class Controller:
         return frozenset().union(*(m.not_ready for m in self._discovery.values()))
 
     # -- publishing ---------------------------------------------------------
+    def ext_proc_replicas(self) -> tuple[str, ...]:
+        """The connected ext_proc replicas' node ids, sorted (as of now; published with the next snapshot)."""
+        return self.cache.node_ids(self.state.settings.ext_proc_node_cluster)
+
     async def publish(self) -> None:
         """Build and set the Envoys' snapshot, then ext_proc's (metrics: the union of their changes)."""
         async with self._publish_lock:
@@ -184,7 +195,9 @@ class Controller:
             self.published_state = state
             if ENDPOINT in changed:
                 await self.cache.wait_default_settled(ENDPOINT, ENVOYS_FIRST_MAX_WAIT_S)
-            ext_proc = await asyncio.to_thread(build_ext_proc_snapshot, state, snapshot, self._memos[1])
+            replicas = self.ext_proc_replicas()
+            ext_proc = await asyncio.to_thread(build_ext_proc_snapshot, state, snapshot, self._memos[1], replicas)
+            self.published_replicas = replicas
             ext_proc_changed = ext_proc.changed_types(self.ext_proc_snapshot)
             self.cache.set_snapshot(state.settings.ext_proc_node_cluster, ext_proc)
             self.ext_proc_snapshot = ext_proc

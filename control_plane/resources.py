@@ -21,7 +21,9 @@ Two variants of the ClusterLoadAssignment, for two node groups:
     ``observed_at`` under its own name (flat, next to the keys above),
     rounded to ``TELEMETRY_SIGNIFICANT_DIGITS`` significant digits.
   * ``LocalityLbEndpoints.metadata.filter_metadata["inferlb"]["pick_policy"]``:
-    ``{"name": ..., "params": {...}}``.
+    ``{"name": ..., "params": {...}}``; and ``["ext_proc_replicas"]``: the
+    sorted node ids of the connected ext_proc replicas (absent when none), so
+    each can find its index and partition a large fleet with the others.
 """
 
 from __future__ import annotations
@@ -630,8 +632,11 @@ def _lb_endpoint_entry(endpoint: Endpoint, rich: bool) -> bytes:
     return _rich_entry(endpoint.address, endpoint.port, health, weight, _endpoint_rich_metadata(endpoint))
 
 
-def _pick_policy_metadata(state: FleetState) -> bytes:
-    policy = {"pick_policy": {"name": state.pick_policy.name, "params": dict(state.pick_policy.params)}}
+def _pick_policy_metadata(state: FleetState, replicas: Sequence[str] = ()) -> bytes:
+    policy: dict[str, object] = {"pick_policy": {"name": state.pick_policy.name,
+                                                 "params": dict(state.pick_policy.params)}}
+    if replicas:
+        policy["ext_proc_replicas"] = list(replicas)
     return _len_field(_LOCALITY_METADATA, _encode_metadata(_encode_struct(policy)))
 
 
@@ -682,16 +687,18 @@ def _sorted_entries(endpoints: Sequence[Endpoint], rich: bool, memo: EndpointMem
 _BY_ID = operator.itemgetter(1)
 
 
-def encode_load_assignment(state: FleetState, *, ext_proc: bool = False, memo: EndpointMemo | None = None) -> bytes:
+def encode_load_assignment(state: FleetState, *, ext_proc: bool = False, memo: EndpointMemo | None = None,
+                           replicas: Sequence[str] = ()) -> bytes:
     """The deterministic bytes of :func:`build_load_assignment` (fast: no message is built).
 
     ``ext_proc=False``: the lean variant Envoy gets (address, health, weight);
     ``ext_proc=True``: the rich variant ext_proc gets (plus the metadata of the module docstring).
     ``memo``: see :class:`EndpointMemo` (the bytes are the same with or without it).
+    ``replicas``: the connected ext_proc node ids (rich variant only; see the module docstring).
     """
     entries = _sorted_entries(state.endpoints, ext_proc, memo)
     if ext_proc:
-        entries.append(_pick_policy_metadata(state))
+        entries.append(_pick_policy_metadata(state, sorted(replicas)))
     locality = b"".join(entries)
     return b"".join((_cla_head(state.settings.workers_cluster), _CLA_ENDPOINTS, _varint(len(locality)), locality,
                      _CLA_POLICY))
@@ -704,12 +711,14 @@ def build_lb_endpoint(endpoint: Endpoint, *, ext_proc: bool = False) -> endpoint
     return lb_endpoint
 
 
-def build_load_assignment(state: FleetState, *, ext_proc: bool = False) -> endpoint_pb2.ClusterLoadAssignment:
+def build_load_assignment(state: FleetState, *, ext_proc: bool = False,
+                          replicas: Sequence[str] = ()) -> endpoint_pb2.ClusterLoadAssignment:
     """Every endpoint with its weight and health, in one locality, sorted by id.
 
     The ext_proc variant adds each endpoint's metadata and the pick policy on the locality.
     """
-    return endpoint_pb2.ClusterLoadAssignment.FromString(encode_load_assignment(state, ext_proc=ext_proc))
+    return endpoint_pb2.ClusterLoadAssignment.FromString(encode_load_assignment(state, ext_proc=ext_proc,
+                                                                                replicas=replicas))
 
 
 def weights_of(cla: endpoint_pb2.ClusterLoadAssignment) -> dict[str, int]:

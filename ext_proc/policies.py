@@ -28,7 +28,10 @@ the outstanding work ext_proc knows of its own requests is exact and fresh,
 so more choices keep improving the pick while each costs ~2 µs; with several
 ext_procs and stale reports of each other's work, random sampling still keeps
 them from herding onto one endpoint that only looks idle (simulated, 1,000
-workers, 10 replicas: d = 2 p99 761 ms, d = 3 483, d = 4 417, d = 8 353).
+workers, 10 replicas, before the picker partitioned large fleets among
+replicas: d = 2 p99 761 ms, d = 3 483, d = 4 417, d = 8 353). The picker now
+hands each replica only its own partition of a large fleet, so the sampled
+candidates carry (nearly) no foreign work to misjudge.
 
 User policies (an ``inferlb.policies`` entry point or a ``module:attribute``
 spec) are loaded and contained by ``policy_loading.py``; ``make_pick_policy``

@@ -373,6 +373,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         ids = set(view.by_id)
         self.cost.retain(ids)
         self.metrics.forget_endpoints(ids)
+        self.picker.set_partition(*view.partition)
         spec = view.pick_policy
         if spec is None or _same_spec(spec, self.policy_spec):
             return

@@ -4,7 +4,9 @@ ext_proc is an xDS client like Envoy: it subscribes to EDS for the ``workers``
 ClusterLoadAssignment and nothing else. The control plane serves ext_proc's
 node cluster (``inferlb-ext-proc``) a rich variant of it: per endpoint,
 ``filter_metadata["inferlb"]`` with ``draining``, ``health`` and the scraped
-telemetry; on the locality, ``{"pick_policy": {"name", "params"}}``.
+telemetry; on the locality, ``{"pick_policy": {"name", "params"}}`` and
+``ext_proc_replicas`` (the connected replicas' node ids, sorted): our index
+among them is ``EndpointView.partition``.
 
 What the per-request path reads is one immutable :class:`EndpointView`,
 replaced as a whole on each accepted update (an attribute swap is atomic on
@@ -88,6 +90,7 @@ class EndpointView:
     endpoints: tuple[EndpointInfo, ...]
     pick_policy: PickPolicySpec | None = None
     received_at: float = 0.0  # time.monotonic()
+    partition: tuple[int, int] = (0, 1)  # (our index, replicas) in the control plane's ext_proc_replicas
     routable: tuple[EndpointInfo, ...] = field(init=False)
     by_id: Mapping[str, EndpointInfo] = field(init=False)
     pick_values: Mapping[str, str] = field(init=False)
@@ -226,6 +229,21 @@ def _pick_policy(fields: Mapping[str, struct_pb2.Value]) -> PickPolicySpec | Non
     return PickPolicySpec(spec["name"], MappingProxyType(params))
 
 
+def _partition(fields: Mapping[str, struct_pb2.Value], node_id: str) -> tuple[int, int] | None:
+    """(our index, count) in the locality's ``ext_proc_replicas``; None when absent or we are not listed
+    (just connected: the next update lists us)."""
+    raw = fields.get("ext_proc_replicas")
+    if raw is None:
+        return None
+    replicas = _value(raw)
+    if not isinstance(replicas, list) or not all(isinstance(r, str) for r in replicas):
+        raise InvalidResource(f"locality metadata inferlb.ext_proc_replicas must be a list of node ids, "
+                              f"got {replicas!r}")
+    if node_id not in replicas:
+        return None
+    return replicas.index(node_id), len(replicas)
+
+
 def _endpoint(lb: Any) -> EndpointInfo:
     socket = lb.endpoint.address.socket_address
     if not socket.address or socket.WhichOneof("port_specifier") != "port_value":
@@ -253,8 +271,11 @@ def _endpoint(lb: Any) -> EndpointInfo:
                         telemetry=MappingProxyType(telemetry))
 
 
-def parse_load_assignment(data: bytes, cluster: str, version: str) -> EndpointView:
-    """The view a serialised ClusterLoadAssignment describes; :class:`InvalidResource` if unusable."""
+def parse_load_assignment(data: bytes, cluster: str, version: str, node_id: str = "") -> EndpointView:
+    """The view a serialised ClusterLoadAssignment describes; :class:`InvalidResource` if unusable.
+
+    ``node_id``: ours, to find our index in the locality's ``ext_proc_replicas``.
+    """
     cla = endpoint_pb2.ClusterLoadAssignment()
     try:
         cla.ParseFromString(data)
@@ -265,21 +286,24 @@ def parse_load_assignment(data: bytes, cluster: str, version: str) -> EndpointVi
     endpoints: list[EndpointInfo] = []
     seen: set[str] = set()
     spec: PickPolicySpec | None = None
+    partition: tuple[int, int] | None = None
     for locality in cla.endpoints:
-        spec = _pick_policy(_inferlb_metadata(locality.metadata)) or spec
+        fields = _inferlb_metadata(locality.metadata)
+        spec = _pick_policy(fields) or spec
+        partition = _partition(fields, node_id) or partition
         for lb in locality.lb_endpoints:
             info = _endpoint(lb)
             if info.id in seen:
                 raise InvalidResource(f"endpoint {info.id} is listed twice")
             seen.add(info.id)
             endpoints.append(info)
-    return EndpointView(version, tuple(endpoints), spec, time.monotonic())
+    return EndpointView(version, tuple(endpoints), spec, time.monotonic(), partition or (0, 1))
 
 
-async def _parse(data: bytes, cluster: str, version: str) -> EndpointView:
+async def _parse(data: bytes, cluster: str, version: str, node_id: str) -> EndpointView:
     if len(data) <= _PARSE_INLINE_BYTES:
-        return parse_load_assignment(data, cluster, version)
-    return await asyncio.to_thread(parse_load_assignment, data, cluster, version)
+        return parse_load_assignment(data, cluster, version, node_id)
+    return await asyncio.to_thread(parse_load_assignment, data, cluster, version, node_id)
 
 
 # --- the client ----------------------------------------------------------------------------------
@@ -488,7 +512,7 @@ class XdsClient:
             if resource.name != cluster:
                 continue  # not ours (nothing to apply; the spec lets us ignore it)
             try:
-                view = await _parse(resource.resource.value, cluster, resource.version)
+                view = await _parse(resource.resource.value, cluster, resource.version, self.settings.node_id)
             except InvalidResource as exc:
                 self._reject(resource.version, str(exc))
                 return str(exc)
@@ -537,7 +561,7 @@ class XdsClient:
             return "a resource in an EDS response is not a ClusterLoadAssignment"
         for resource in mine:
             try:
-                view = await _parse(resource.value, cluster, response.version_info)
+                view = await _parse(resource.value, cluster, response.version_info, self.settings.node_id)
             except ForeignResource:
                 continue  # someone else's assignment: not an error for us
             except InvalidResource as exc:

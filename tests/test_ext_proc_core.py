@@ -638,3 +638,71 @@ def _candidates(picker: Picker, request: RequestView, fleet: Sequence[EndpointIn
     picker.decide(request, fleet)
     picker.set_policy(old)
     return seen
+
+
+# --- partitioning a large fleet among ext_proc replicas ----------------------------------------------
+
+
+def _partition_ids(fleet: Sequence[EndpointInfo], index: int, count: int) -> set[str]:
+    return set(sorted(e.id for e in fleet)[index::count])
+
+
+def test_a_replica_picks_only_in_its_partition_of_a_large_fleet() -> None:
+    fleet = tuple(endpoint(i) for i in range(64))
+    for index in (0, 1):
+        picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=index)))
+        picker.set_partition(index, 2)
+        picked = set()
+        for _ in range(400):
+            decision = picker.decide(view(16), fleet)
+            assert decision is not None
+            picked.update(decision.ranked)
+        assert picker.partitioned
+        # every partition member gets picked, and nothing else does
+        assert picked == _partition_ids(fleet, index, 2)
+
+
+def test_small_fleets_and_single_replicas_are_never_partitioned() -> None:
+    small = tuple(endpoint(i) for i in range(63))  # < 32 per replica for 2 replicas
+    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=5)))
+    picker.set_partition(1, 2)
+    picked = set()
+    for _ in range(2000):
+        decision = picker.decide(view(16), small)
+        assert decision is not None
+        picked.add(decision.primary)
+    assert not picker.partitioned and picked == {e.id for e in small}
+    picker.set_partition(0, 1)
+    assert picker.routable(tuple(endpoint(i) for i in range(100))) and not picker.partitioned
+
+
+def test_a_partition_with_nothing_routable_falls_back_to_the_whole_fleet() -> None:
+    ids = sorted(endpoint(i).id for i in range(64))
+    ours = set(ids[1::2])
+    fleet = tuple(endpoint(i, draining=endpoint(i).id in ours) for i in range(64))
+    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=2)))
+    picker.set_partition(1, 2)
+    decision = picker.decide(view(16), fleet)
+    assert decision is not None and decision.primary not in ours and not picker.partitioned
+
+
+def test_the_replica_factor_counts_only_the_partitions_traffic() -> None:
+    """Only we send to our partition: its rps over ours is ~1, so our picks are not extrapolated tenfold."""
+    clock = [0.0]
+    fleet = tuple(endpoint(i, telemetry={"rps": 10.0}) for i in range(64))
+    picker = Picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)), CostModel(), Outstanding(),
+                    clock=lambda: clock[0])
+    picker.set_partition(0, 2)
+    picker.decide(view(16), fleet)
+    for _ in range(320):  # 320 decisions in 1 s; our partition (32 endpoints) served 320/s
+        picker.decide(view(16), fleet)
+    clock[0] = 1.0
+    picker.decide(view(16), tuple(endpoint(i, telemetry={"rps": 10.0}) for i in range(64)))
+    assert picker.replica_factor == pytest.approx(1.0, abs=0.05)
+
+
+def test_set_partition_rejects_an_index_outside_the_count() -> None:
+    picker = make_picker(LeastCompletionTime())
+    for index, count in ((2, 2), (-1, 3), (0, 0)):
+        with pytest.raises(ValueError, match="partition index"):
+            picker.set_partition(index, count)

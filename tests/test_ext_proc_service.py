@@ -572,3 +572,56 @@ def test_the_command_line_serves_probes_without_a_control_plane_and_stops_on_sig
         assert '"msg": "stopped"' in proc.log()
     finally:
         proc.stop()
+
+
+def test_each_replica_learns_its_index_from_the_controllers_list_of_connected_ext_procs() -> None:
+    """The controller lists the connected ext_proc node ids in the rich EDS; each client finds itself."""
+    from control_plane.config import ControlPlaneConfig
+    from control_plane.controller import Controller
+
+    async def scenario() -> None:
+        async with AdsServer() as ads:
+            controller = Controller(ControlPlaneConfig(), ads.cache, None, fleet_state())
+            await controller.publish()
+            target = f"127.0.0.1:{ads.port}"
+            async with XdsClient(XdsClientSettings(target=target, node_id="ext-proc-b")) as b, \
+                    XdsClient(XdsClientSettings(target=target, node_id="ext-proc-a")) as a:
+                await b.wait_ready(10)
+                await a.wait_ready(10)
+                assert b.view.partition == a.view.partition == (0, 1)  # published before they connected
+                await until(lambda: controller.ext_proc_replicas() == ("ext-proc-a", "ext-proc-b"), 10, "both")
+                await controller.publish()
+                await until(lambda: a.view.partition == (0, 2) and b.view.partition == (1, 2), 10, "the list")
+            await until(lambda: controller.ext_proc_replicas() == (), 10, "both gone")
+            await controller.publish()
+            assert controller.published_replicas == ()
+
+    asyncio.run(scenario())
+
+
+def test_the_servicer_hands_the_views_partition_to_its_picker(counter: TokenCounter) -> None:
+    async def scenario() -> None:
+        async with serving(counter, static_view([A, B])) as h:
+            assert h.servicer.picker.partition == (0, 1)
+            h.source.set(dataclasses.replace(static_view([A, B]), partition=(2, 3)))
+            assert h.servicer.picker.partition == (2, 3)
+            h.source.set(static_view([A, B]))  # the list no longer names us: the whole fleet again
+            assert h.servicer.picker.partition == (0, 1)
+
+    asyncio.run(scenario())
+
+
+def test_a_malformed_replica_list_is_nacked() -> None:
+    from envoy.config.endpoint.v3 import endpoint_pb2
+
+    from ext_proc.xds_client import InvalidResource, parse_load_assignment
+
+    cla = endpoint_pb2.ClusterLoadAssignment(cluster_name="workers")
+    locality = cla.endpoints.add()
+    locality.metadata.filter_metadata["inferlb"].update({"ext_proc_replicas": [1, 2]})
+    with pytest.raises(InvalidResource, match="ext_proc_replicas"):
+        parse_load_assignment(cla.SerializeToString(), "workers", "1", "ext-proc-a")
+    locality.metadata.filter_metadata["inferlb"].update({"ext_proc_replicas": ["x", "ext-proc-a"]})
+    view = parse_load_assignment(cla.SerializeToString(), "workers", "1", "ext-proc-a")
+    assert view.partition == (1, 2)
+    assert parse_load_assignment(cla.SerializeToString(), "workers", "1", "not-listed").partition == (0, 1)

@@ -494,3 +494,14 @@ def test_a_weight_change_only_changes_the_load_assignment(ext_proc: bool) -> Non
 def test_variants_share_everything_but_the_load_assignment() -> None:
     lean, rich = (_serialized(build_resources(fleet(), ext_proc=x)) for x in (False, True))
     assert {key for key in lean if lean[key] != rich[key]} == {(type_urls.ENDPOINT, "workers")}
+
+
+def test_the_rich_eds_lists_the_ext_proc_replicas_sorted_and_the_lean_one_never() -> None:
+    (locality,) = build_load_assignment(fleet(), ext_proc=True, replicas=("ext-proc-b", "ext-proc-a")).endpoints
+    meta = json_format.MessageToDict(locality.metadata.filter_metadata["inferlb"])
+    assert meta["ext_proc_replicas"] == ["ext-proc-a", "ext-proc-b"]
+    assert meta["pick_policy"]["name"] == "least_completion_time"
+    (lean,) = build_load_assignment(fleet(), replicas=("ext-proc-a",)).endpoints
+    assert not lean.HasField("metadata")
+    (none,) = build_load_assignment(fleet(), ext_proc=True).endpoints
+    assert "ext_proc_replicas" not in none.metadata.filter_metadata["inferlb"].fields

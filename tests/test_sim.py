@@ -211,3 +211,21 @@ def test_the_constant_overheads_shift_latency_and_nothing_else() -> None:
         _, b = simulate(shifted, configuration, rate_rps=20.0)
         assert np.array_equal(a["worker"], b["worker"])  # the same routing
         assert np.allclose(b["latency"] - a["latency"], added, rtol=0, atol=1e-9)
+
+
+def test_simulated_replicas_each_pick_only_in_their_partition_of_a_large_fleet() -> None:
+    import random
+
+    from inferlb.sim.ext_proc_model import ExtProcBalancer
+    from inferlb.sim.fleet import SimFleet
+
+    workers = tuple(WorkerSpec(1.0) for _ in range(256))
+    ids = tuple(f"127.0.0.1:{8101 + i}" for i in range(256))
+    position = {e: i for i, e in enumerate(sorted(ids))}
+    balancer = ExtProcBalancer(SimFleet(Fleet(workers=workers)), random.Random(1), ids, 4, lambda: 0.0)
+    assert [r.picker.partition for r in balancer.replicas] == [(i, 4) for i in range(4)]
+    for request in range(400):
+        worker = balancer.pick(request, 16, 0.0)
+        replica = balancer.replicas.index(balancer._who[request][0])
+        assert position[ids[worker]] % 4 == replica
+    assert min(r.picks for r in balancer.replicas) > 0

@@ -176,6 +176,11 @@ class SnapshotCache:
         self._watches.setdefault(record.group, set()).add(watch)
         return watch
 
+    def node_ids(self, group: str) -> tuple[str, ...]:
+        """The distinct node ids of ``group``'s connected streams, sorted: ext_proc replicas find their
+        index among them (``resources.encode_load_assignment``'s ``replicas``)."""
+        return tuple(sorted({w.record.node_id for w in self._watches.get(group, ())}))
+
     def unwatch(self, watch: Watch) -> None:
         watches = self._watches.get(watch.group)
         if watches is not None:

@@ -10,7 +10,10 @@ simulated clock:
   ``server.py``'s ``_learn`` feeds it) and its compute seconds
   (``CostModel.observe``, from ``server-timing``);
 * the EDS view: weights and quantised telemetry from the control-plane model,
-  refreshed every scrape interval (lagging the truth).
+  refreshed every scrape interval (lagging the truth);
+* its index among the replicas (``Picker.set_partition``), as the control
+  plane's ``ext_proc_replicas`` list gives it; the simulated replicas stay
+  connected throughout, so the list never changes and its staleness is moot.
 
 When the policy ranks nothing, Envoy's fallback (weighted least_request on the
 same weights) routes the request, as ``failure_mode_allow`` does live.
@@ -64,6 +67,8 @@ class ExtProcBalancer:
                  inputs_per_request: int = 1) -> None:
         self._rng = random.Random(rng.random())
         self.replicas = [Replica(policy, rng.randrange(1 << 30), clock, params) for _ in range(replicas)]
+        for index, replica in enumerate(self.replicas):  # the control plane's replica list, as EDS carries it
+            replica.picker.set_partition(index, len(self.replicas))
         self.fallback = WeightedLeastRequest(fleet, rng)
         self._ids = tuple(ids)
         self._index = {e: i for i, e in enumerate(self._ids)}
