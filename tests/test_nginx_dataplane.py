@@ -171,14 +171,21 @@ def test_traffic_share_follows_the_pinned_weights_and_moves_after_a_reload(
         assert sample(cp.metrics(), "inferlb_cp_nginx_reloads_total", result="ok") == status["reloads"]
 
         # Drained: down in nginx, no traffic; every endpoint drained: nginx answers 503 itself.
+        # (A graceful reload: for a moment an old nginx worker may still take a new connection, so wait
+        # for the new config to answer rather than assume the first request reaches it.)
         admin(cp, "POST", f"/v1/endpoints/{a.id}/drain")
         wait_applied(cp, {a.id: 0, b.id: 20})
-        assert share_through_workers(cp, workers, 10)[b.id] == 1.0
+        wait_for(lambda: share_through_workers(cp, workers, 10)[b.id] == 1.0, 30, "all traffic on b", [cp.proc])
         admin(cp, "POST", f"/v1/endpoints/{b.id}/drain")
         wait_applied(cp, {a.id: 0, b.id: 0})
-        with http() as client:
-            response = client.post(f"http://127.0.0.1:{cp.listener_port}/v1/embeddings", json=BODY)
-        assert response.status_code == 503 and response.json()["error"]["code"] == "no_endpoint"
+
+        def answered_by_nginx() -> httpx.Response | None:
+            with http() as client:
+                response = client.post(f"http://127.0.0.1:{cp.listener_port}/v1/embeddings", json=BODY)
+            return response if response.status_code == 503 else None
+
+        response = wait_for(answered_by_nginx, 30, "nginx's own 503", [cp.proc])
+        assert response.json()["error"]["code"] == "no_endpoint"
 
 
 def test_a_config_nginx_t_rejects_is_never_applied(tmp_path: Path, workers: list[SimWorker]) -> None:
