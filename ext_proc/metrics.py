@@ -28,6 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from .outstanding import OutstandingLoad
+
 
 PREFIX = "inferlb_ext_proc_"
 # A decision is tens of microseconds; a slow one (a huge body tokenised in a thread) tens of ms.
@@ -45,19 +47,10 @@ FALLBACK_REASONS = (
 
 
 @dataclass(frozen=True)
-class EndpointLoad:
-    """What this ext_proc has in flight on one endpoint."""
-
-    requests: int = 0
-    tokens: int = 0
-    seconds: float = 0.0  # predicted work
-
-
-@dataclass(frozen=True)
 class LiveState:
     """Everything the collector reads at scrape time."""
 
-    outstanding: Mapping[str, EndpointLoad] = field(default_factory=dict)
+    outstanding: Mapping[str, OutstandingLoad] = field(default_factory=dict)
     mape: float | None = None  # the cost model's mean absolute percentage error (a fraction)
     mape_by_endpoint: Mapping[str, float] = field(default_factory=dict)
     observations: int = 0
@@ -197,9 +190,6 @@ class ExtProcMetrics:
         """``counter``: "fallbacks", "parse_failures", "responses" or "released"; ``label``: its one label's value."""
         counts = self.counts[counter]
         counts[label] = counts.get(label, 0) + 1
-
-    def forget_endpoints(self, keep: set[str]) -> None:
-        """Nothing to drop: a departed endpoint's decision counter stays until restart, as counters do."""
 
     # XdsObserver
     def xds_connected(self, connected: bool) -> None:

@@ -64,8 +64,6 @@ class Outstanding:
         self._totals: dict[str, _Totals] = {}
         self._next_sweep = clock() + sweep_interval_s
         self.leaked = 0  # entries dropped by the safety net
-        self.begun = 0
-        self.finished = 0
 
     def begin(self, request_key: Hashable, endpoint_id: str, tokens: int, predicted_s: float) -> None:
         """Count a request as in flight on ``endpoint_id``; a key already in flight is moved, not doubled."""
@@ -83,14 +81,12 @@ class Outstanding:
         totals.requests += 1
         totals.tokens += tokens
         totals.seconds += predicted_s
-        self.begun += 1
 
     def finish(self, request_key: Hashable) -> bool:
         """Release a request; True the first time, False for an unknown or already finished key."""
         if request_key not in self._entries:
             return False
         self._release(request_key)
-        self.finished += 1
         return True
 
     def of(self, endpoint_id: str) -> OutstandingLoad:
@@ -122,10 +118,6 @@ class Outstanding:
     def snapshot(self) -> dict[str, OutstandingLoad]:
         """Every endpoint with work in flight (for metrics at scrape time)."""
         return {e: OutstandingLoad(t.requests, t.tokens, t.seconds) for e, t in self._totals.items()}
-
-    def endpoint_of(self, request_key: Hashable) -> str | None:
-        entry = self._entries.get(request_key)
-        return entry.endpoint_id if entry is not None else None
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -67,9 +67,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from .cost import CostModel, parse_orca, parse_server_timing, service_seconds
-from .metrics import EndpointLoad, ExtProcMetrics, LiveState
+from .metrics import ExtProcMetrics, LiveState
 from .model import RequestView
-from .outstanding import Outstanding
+from .outstanding import Outstanding, OutstandingLoad
 from .picker import ORCA_INFLIGHT_KEY, Decision, Picker
 from .policies import make_pick_policy
 from .tokens import TokenCounter
@@ -370,9 +370,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     # -- EDS updates ----------------------------------------------------------
     def on_view(self, view: EndpointView) -> None:
         """A new view: forget departed endpoints' fits; switch the pick policy if EDS names another one."""
-        ids = set(view.by_id)
-        self.cost.retain(ids)
-        self.metrics.forget_endpoints(ids)
+        self.cost.retain(set(view.by_id))
         self.picker.set_partition(*view.partition)
         spec = view.pick_policy
         if spec is None or _same_spec(spec, self.policy_spec):
@@ -492,10 +490,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("pick policy failed; letting Envoy's fallback route the request")
             self.metrics.count("fallbacks", "policy_error")
             return self._without_pick(headers_phase, strip, request)
-        if decision is None:
-            reason = "no_decision" if view.routable else "no_endpoint"
-            self.metrics.count("fallbacks", reason)
-            return self._without_pick(headers_phase, strip, request) if view.routable else _NO_ENDPOINT
+        if decision is None:  # view.routable is not empty (checked above): the policy ranked none
+            self.metrics.count("fallbacks", "no_decision")
+            return self._without_pick(headers_phase, strip, request)
         return self._with_pick(stream, view, request, decision, headers_phase, started)
 
     def _pick(self, view: EndpointView, ranked: tuple[str, ...]) -> tuple[str, bytes, bytes]:
@@ -605,11 +602,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     # -- metrics ----------------------------------------------------------
     def live_state(self) -> LiveState:
         view = self.source.view
-        outstanding = {e: EndpointLoad(load.requests, load.tokens, load.seconds)
-                       for e, load in self.outstanding.snapshot().items()}
+        outstanding = self.outstanding.snapshot()  # a fresh dict of frozen loads
         if view is not None:
             for endpoint in view.by_id:
-                outstanding.setdefault(endpoint, EndpointLoad())
+                outstanding.setdefault(endpoint, OutstandingLoad())
         mape = self.cost.mape()
         return LiveState(
             outstanding=outstanding,

@@ -230,9 +230,7 @@ class TokenCounter:
         if len(pieces) + len(new) > _WORD_MEMO_MAX:
             pieces.clear()
             new = list(dict.fromkeys(words))
-        for word, encoding in zip(new, self._tokenizer.encode_batch_fast(new, add_special_tokens=False)
-                                  if hasattr(self._tokenizer, "encode_batch_fast")
-                                  else self._tokenizer.encode_batch(new, add_special_tokens=False)):
+        for word, encoding in zip(new, self._encode_batch(new, add_special_tokens=False)):
             pieces[word] = len(encoding.ids)
         return sum(pieces[w] for w in words)
 

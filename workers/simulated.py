@@ -170,7 +170,6 @@ class SlotScheduler:
         self.cost = BatchCostModel()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting = 0  # jobs submitted and not yet taken by a slot (under _lock)
-        self._running = 0
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
@@ -201,10 +200,6 @@ class SlotScheduler:
     def queued(self) -> int:
         return self._waiting
 
-    @property
-    def busy(self) -> bool:
-        return self._running > 0
-
     # -- submitting ------------------------------------------------------
     async def embed(self, inputs: Sequence[Sequence[int]]) -> Embedded:
         """Queue one job for all of ``inputs``; rows come back in input order."""
@@ -230,17 +225,12 @@ class SlotScheduler:
                 depth = self._waiting
             if job.future.cancelled():
                 continue
-            with self._lock:
-                self._running += 1
             try:
                 result = self._serve(job)
             except Exception as exc:  # a failed job fails its request, never the slot
                 log.exception("simulated job failed")
                 self._resolve(job, exc)
                 continue
-            finally:
-                with self._lock:
-                    self._running -= 1
             self._resolve(job, result, depth)
 
     def _serve(self, job: _Job) -> tuple[Embedded, float]:

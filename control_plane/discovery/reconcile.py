@@ -25,13 +25,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..model import Endpoint, Health
+from ..store.base import Override
 from .model import DiscoveredEndpoint, DiscoverySource, Readiness
-
-
-@dataclass(frozen=True)
-class Override:
-    pinned_weight: int | None = None
-    draining: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Mapping
+from typing import Mapping
 
 from ..config import ControlPlaneConfig, parse_endpoint
 from ..controller import Controller
@@ -26,10 +26,10 @@ def configured_providers(config: ControlPlaneConfig) -> list[Provider]:
 
 
 def start_discovery(config: ControlPlaneConfig, controller: Controller, observer: DiscoveryObserver | None,
-                    stored_overrides: Mapping[str, Any] | None = None) -> list[asyncio.Task[None]]:
+                    stored_overrides: Mapping[str, Override] | None = None) -> list[asyncio.Task[None]]:
     """One task per provider. ``stored_overrides`` (id -> pinned_weight/draining, from the store) apply to
     discovered endpoints when they appear: at startup none of them is known yet."""
-    overrides = {k: Override(v.pinned_weight, v.draining) for k, v in (stored_overrides or {}).items()}
+    overrides = dict(stored_overrides or {})
     tasks = []
     for provider in configured_providers(config):
         controller.seed_discovery_overrides(provider.source, overrides)

@@ -15,17 +15,20 @@ Two ways the stored state reaches the controller's ``FleetState``:
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from ..model import Endpoint, FleetState, PickPolicySpec
 
 log = logging.getLogger("inferlb.control_plane.store")
 
 PolicyKind = Literal["weight", "pick"]
+T = TypeVar("T")
 
 
 class StoreError(RuntimeError):
@@ -102,6 +105,45 @@ class OperatorStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class OneThreadStore:
+    """The plumbing both stores share: one connection, used only by one dedicated thread, in order.
+
+    A subclass turns its driver's errors into :class:`StoreError` in ``_guarded``
+    and drops its connection in ``_disconnect`` (both run on the store thread).
+    """
+
+    def __init__(self, thread_name_prefix: str) -> None:
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name_prefix)
+
+    def _guarded(self, fn: Callable[[], T]) -> T:
+        raise NotImplementedError
+
+    def _disconnect(self) -> None:
+        raise NotImplementedError
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the store thread and wait (startup, tests)."""
+        return self._executor.submit(self._guarded, fn).result()
+
+    async def _acall(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._guarded, fn)
+
+    def _open_with(self, fn: Callable[[], None]) -> None:
+        """Run the opening ``fn`` on the store thread; on any failure close the store and re-raise."""
+        try:
+            self._call(fn)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            self._executor.submit(self._disconnect).result()
+        except RuntimeError:  # executor already shut down
+            pass
+        self._executor.shutdown(wait=True)
 
 
 def restore(state: FleetState, stored: OperatorState) -> FleetState:

@@ -29,7 +29,6 @@ processes at once (``INFERLB_STORE=postgresql://user@host:port/db``):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import os
@@ -43,6 +42,7 @@ from psycopg import conninfo
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
 from .base import (
+    OneThreadStore,
     OperatorState,
     Override,
     PolicyKind,
@@ -125,17 +125,17 @@ def redact(url: str) -> str:
     return f"{scheme}://{userinfo}{at}{host}".split("?", 1)[0]
 
 
-class PostgresStore:
+class PostgresStore(OneThreadStore):
     """The shared store; see the module docstring. Use :meth:`open`."""
 
     def __init__(self, url: str, *, connect_timeout_s: float = 3.0, statement_timeout_s: float = 5.0,
                  replica_id: str | None = None) -> None:
+        super().__init__("inferlb-pgstore")
         self._url = url
         self._location = redact(url)
         self._replica_id = replica_id or f"{os.uname().nodename}-{os.getpid()}-{secrets.token_hex(3)}"
         self._connect_timeout = max(1, round(connect_timeout_s))
         self._statement_timeout_ms = int(statement_timeout_s * 1000)
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferlb-pgstore")
         self._conn: psycopg.Connection[Any] | None = None
         self._closed = False
         self._healthy = {"queries": True, "feed": True}  # for logging each outage once
@@ -144,11 +144,7 @@ class PostgresStore:
     def open(cls, url: str, **options: Any) -> PostgresStore:
         """Connect, migrate and check that the database takes writes; or StoreError."""
         store = cls(check_url(url), **options)
-        try:
-            store._call(store._open)
-        except BaseException:
-            store.close()
-            raise
+        store._open_with(store._open)
         return store
 
     @property
@@ -159,25 +155,13 @@ class PostgresStore:
     def replica_id(self) -> str:
         return self._replica_id
 
-    def close(self) -> None:
-        def _close() -> None:
-            self._closed = True
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-        try:
-            self._executor.submit(_close).result()
-        except RuntimeError:  # executor already shut down
-            pass
-        self._executor.shutdown(wait=True)
+    def _disconnect(self) -> None:
+        self._closed = True
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
-    # -- plumbing: every query runs on the store's one thread --------------------------------------
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        return self._executor.submit(self._guarded, fn).result()
-
-    async def _acall(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._guarded, fn)
+    # -- plumbing: every query runs on the store's one thread (``OneThreadStore``) ------------------
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         try:

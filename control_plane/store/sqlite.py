@@ -26,8 +26,6 @@ the first xDS push: Envoy never sees a moment of unpinned or undrained state.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import logging
 import os
@@ -39,6 +37,7 @@ from typing import TypeVar
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
 from .base import (
+    OneThreadStore,
     OperatorState,
     Override,
     PolicyKind,
@@ -89,38 +88,27 @@ SCHEMA_VERSION = len(MIGRATIONS)
 # --- the store -------------------------------------------------------------------------------------
 
 
-class Store:
+class Store(OneThreadStore):
     """The control plane's SQLite database; see the module docstring. Use :meth:`open`."""
 
     def __init__(self, path: Path) -> None:
+        super().__init__("inferlb-store")
         self.path = path
         self._replica_id = f"sqlite-{os.getpid()}"
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferlb-store")
         self._db: sqlite3.Connection | None = None
 
     @classmethod
     def open(cls, data_dir: Path | str, name: str = DB_NAME) -> Store:
         """Open (creating the directory and the file when missing), check and migrate; or StoreError."""
         data_dir = Path(data_dir)
-        path = data_dir / name
-        store = cls(path)
-        try:
-            store._call(lambda: store._open(data_dir))
-        except BaseException:
-            store.close()
-            raise
+        store = cls(data_dir / name)
+        store._open_with(lambda: store._open(data_dir))
         return store
 
-    def close(self) -> None:
-        def _close() -> None:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-        try:
-            self._executor.submit(_close).result()
-        except RuntimeError:  # executor already shut down
-            pass
-        self._executor.shutdown(wait=True)
+    def _disconnect(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
 
     @property
     def location(self) -> str:
@@ -135,14 +123,7 @@ class Store:
         return
         yield  # an async generator that ends at once
 
-    # -- plumbing: everything runs on the store's one thread ---------------------------------------
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the store thread and wait (startup, tests)."""
-        return self._executor.submit(self._guarded, fn).result()
-
-    async def _acall(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._guarded, fn)
+    # -- plumbing: everything runs on the store's one thread (``OneThreadStore``) -------------------
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         try:

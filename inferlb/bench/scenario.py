@@ -33,6 +33,13 @@ CONFIGURATIONS = (
 )
 PICK_PREFIX = "inferlb_pick:"  # (g) e.g. "inferlb_pick:round_robin"
 
+
+def known_configuration(configuration: str) -> bool:
+    """One of ``CONFIGURATIONS``, or ``inferlb_pick:<policy>`` with a policy named."""
+    return configuration in CONFIGURATIONS or (configuration.startswith(PICK_PREFIX)
+                                               and len(configuration) > len(PICK_PREFIX))
+
+
 # Fit of the int8 all-MiniLM-L6-v2 on one core here (same numbers as workers/simulated.py;
 # the bench and the simulator must not import the workers service, so they are repeated).
 MODEL_FIXED_S = 0.001
@@ -155,7 +162,7 @@ def _validate(s: Scenario) -> None:
     need(s.workload.inputs_per_request >= 1, "workload.inputs_per_request must be >= 1")
     need(s.workload.burst_on_s > 0 and s.workload.burst_off_s >= 0, "burst_on_s must be > 0, burst_off_s >= 0")
     for c in s.configurations:
-        need(c in CONFIGURATIONS or (c.startswith(PICK_PREFIX) and len(c) > len(PICK_PREFIX)),
+        need(known_configuration(c),
              f"unknown configuration {c!r}; known: {', '.join(CONFIGURATIONS)}, {PICK_PREFIX}<policy>")
     if s.slowdown is not None:
         need(0 <= s.slowdown.worker < len(s.fleet.workers), "slowdown.worker is not a worker index")

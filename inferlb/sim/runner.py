@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from inferlb.bench.capacity import theoretical_capacity_rps
 from inferlb.bench.histogram import LatencyHistogram
 from inferlb.bench.results import RunResult
 from inferlb.bench.scenario import PICK_PREFIX, Scenario
@@ -49,19 +50,16 @@ class SimOptions:
     push_delay_s: float = 0.1  # control plane debounce between a scrape and EDS reaching the data plane
 
 
-def mean_service_s(scenario: Scenario) -> float:
-    """Expected service seconds of one request at speed 1 under the workload's length mix."""
-    f = scenario.fleet
-    mean_tokens = sum(b.share * (b.min_tokens + b.max_tokens) / 2 for b in scenario.workload.mix)
-    return (f.fixed_s + f.per_token_s * mean_tokens * scenario.workload.inputs_per_request) * f.cost_scale
-
-
 def capacity_rps(scenario: Scenario) -> float:
     """Requests/s at load 1.0: the scenario's, else the fleet's theoretical throughput (sum of speed x slots
     over the mean service time). The live bench searches for it instead (p99 crossing the SLO)."""
     if scenario.capacity_rps > 0:
         return scenario.capacity_rps
-    return sum(w.speed * w.slots for w in scenario.fleet.workers) / mean_service_s(scenario)
+    return theoretical_capacity_rps(scenario)
+
+
+def _uses_ext_proc(configuration: str) -> bool:
+    return configuration == "inferlb_ext_proc" or configuration.startswith(PICK_PREFIX)
 
 
 def _seed(scenario: Scenario, configuration: str, load: float, run: str) -> int:
@@ -85,7 +83,7 @@ def build_balancer(configuration: str, scenario: Scenario, fleet: SimFleet, engi
         balancer: Any = WeightedLeastRequest(fleet, rng)
         balancer.name = configuration
         on_weights = lambda weights, telemetry: balancer.set_weights(weights)
-    elif configuration == "inferlb_ext_proc" or configuration.startswith(PICK_PREFIX):
+    elif _uses_ext_proc(configuration):
         policy = configuration[len(PICK_PREFIX):] if configuration.startswith(PICK_PREFIX) else None
         ids = tuple(f"127.0.0.1:{8101 + i}" for i in range(len(fleet)))
         kwargs = {"policy": policy} if policy else {}
@@ -159,8 +157,7 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
 
 def overhead_s(scenario: Scenario, configuration: str) -> float:
     """The constant per-request time the model leaves out (see ``Scenario.hop_overhead_s``)."""
-    uses_ext_proc = configuration == "inferlb_ext_proc" or configuration.startswith(PICK_PREFIX)
-    return scenario.hop_overhead_s + (scenario.ext_proc_overhead_s if uses_ext_proc else 0.0)
+    return scenario.hop_overhead_s + (scenario.ext_proc_overhead_s if _uses_ext_proc(configuration) else 0.0)
 
 
 def _result(scenario: Scenario, configuration: str, load: float, rate_rps: float, run: str, trace, outcome,

@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ...bootstrap import render_bootstrap
 from ...supervisor import Component
 from ..fleet import child_env
-from ..scenario import CONFIGURATIONS, PICK_PREFIX
+from ..scenario import CONFIGURATIONS, PICK_PREFIX, known_configuration
 from .envoy_static import POLICIES, WORKERS_CLUSTER, render_static_bootstrap
 from .nginx import NGINX, nginx_argv, prefix_directories, render_nginx_conf
 
@@ -73,11 +73,6 @@ class DataPlanePlan:
     check_argv: tuple[str, ...] = ()  # run before starting (nginx -t); must exit 0
     directories: tuple[Path, ...] = ()
     notes: Mapping[str, Any] = field(default_factory=dict)  # recorded in every RunResult.extra
-
-
-def known_configuration(configuration: str) -> bool:
-    return configuration in CONFIGURATIONS or (configuration.startswith(PICK_PREFIX)
-                                               and len(configuration) > len(PICK_PREFIX))
 
 
 def plan_data_plane(
