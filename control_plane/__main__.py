@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from inferlb.runtime.http import EmbeddedServer
 from inferlb.runtime.logs import configure_json_logging
+from inferlb.runtime.supervision import Supervised
 
 from . import pick_catalogue
 from .autoscale import Autoscaler
@@ -85,9 +86,12 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     nginx = await start_nginx(config, controller, metrics) if config.nginx.enabled else None
     service = AdminService(controller, store, deregistration_drain_s=config.deregistration_drain_s,
                            stored_weight_policy=stored.weight_policy)
-    # Changes other replicas make in a shared store (SQLite: none; the task ends at once).
+    # Changes other replicas make in a shared store (SQLite: none; the task ends at once). Supervised: a
+    # failure that escapes follow() is logged, counted and retried instead of ending the following unnoticed.
     follower = None if store is None else asyncio.create_task(
-        follow(store, service.reload_from_store, metrics, config.store_reload_interval_s), name="store-follower")
+        Supervised("store-follower", observer=metrics, logger=log).run(
+            lambda: follow(store, service.reload_from_store, metrics, config.store_reload_interval_s)),
+        name="store-follower")
 
     xds = await serve_xds(cache, f"{config.xds_address}:{config.xds_port}", metrics)
     scraper = Scraper(
@@ -124,10 +128,12 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     watched = [*tasks, *discovery]
     done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), *watched], return_when=asyncio.FIRST_COMPLETED)
     failed = False
-    for task in done:
-        if task in watched and task.exception() is not None:
+    for task in done:  # none of them ends unless stopped: an end, with or without an error, is a failure
+        if task in watched:
             failed = True
-            log.error("component failed", extra={"task": task.get_name(), "error": repr(task.exception())})
+            error = None if task.cancelled() else task.exception()
+            log.error("component failed" if error is not None else "component ended unexpectedly",
+                      exc_info=error, extra={"task": task.get_name(), "error": repr(error)})
     log.info("stopping")
     if nginx is not None:  # first: nginx stops accepting and lets in-flight requests finish
         await nginx.stop()

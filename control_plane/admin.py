@@ -15,7 +15,9 @@ picking it), and removed once the Envoys acknowledged the drain and a later
 scrape shows nothing in flight or queued there, or it is unhealthy, or after
 ``deregistration_drain_s`` (default 10 s) at the latest. The registration
 is deleted from the store at once, so a restart during the drain does not
-bring it back. Meanwhile it shows ``removing: true``.
+bring it back. Meanwhile it shows ``removing: true``. The drain-then-remove
+task is supervised: a failure is logged, counted
+(``inferlb_cp_task_failures_total{task="deregister"}``) and retried.
 
 Errors have one shape, ``{"error": {"status", "code", "message", "detail"}}``:
 400 (malformed JSON, unknown policy), 401 (token), 404 (no such endpoint or
@@ -46,6 +48,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlb.runtime import plugins
+from inferlb.runtime.supervision import Supervised
 
 from . import pick_catalogue
 from .api_models import (
@@ -322,44 +325,54 @@ class AdminService:
             if endpoint.id not in self._removals:
                 await self._commit(lambda s: s.remove_endpoint(endpoint.id))
                 self.controller.update(_replace_endpoint(endpoint.id, draining=True))
-                self._removals[endpoint.id] = asyncio.create_task(self._drain_then_remove(endpoint.id),
-                                                                  name=f"deregister {endpoint.id}")
+                self._start_removal(endpoint.id)
                 log.info("endpoint deregistered: draining", extra={"endpoint": endpoint.id})
             return self._current(endpoint.id)
 
-    async def _drain_then_remove(self, endpoint_id: str) -> None:
+    def _start_removal(self, endpoint_id: str) -> None:
+        """Drain, then remove, in a supervised task: a failure is logged, counted and retried (the drain
+        deadline stays the first attempt's); the endpoint shows ``removing`` until it is gone."""
+        supervised = Supervised("deregister", observer=self.controller.metrics, logger=log)
+        deadline = asyncio.get_running_loop().time() + self.deregistration_drain_s
+
+        async def remove() -> None:
+            try:
+                await supervised.run(lambda: self._drain_then_remove(endpoint_id, deadline),
+                                     {"endpoint": endpoint_id})
+            finally:
+                self._removals.pop(endpoint_id, None)
+
+        self._removals[endpoint_id] = asyncio.create_task(remove(), name=f"deregister {endpoint_id}")
+
+    async def _drain_then_remove(self, endpoint_id: str, deadline: float) -> None:
         controller = self.controller
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.deregistration_drain_s
         poll = min(0.5, max(0.05, controller.config.scrape_interval_s / 2))
         drain_seen_at: float | None = None  # monotonic time the Envoys had the drain
         reason = "drain period over"
-        try:
-            while loop.time() < deadline:
-                current = controller.state.endpoint(endpoint_id)
-                if current is None:
-                    return
-                published = controller.published_state
-                pushed = published is not None and (p := published.endpoint(endpoint_id)) is not None \
-                    and p.draining
-                if drain_seen_at is None and pushed and controller.cache.default_settled(ENDPOINT):
-                    drain_seen_at = time.monotonic()
-                if drain_seen_at is not None:
-                    if current.health is Health.UNHEALTHY:
-                        reason = "unhealthy"
-                        break
-                    t = current.telemetry
-                    if t is not None and t.observed_at > drain_seen_at and t.inflight < IDLE_BELOW \
-                            and t.queue_depth < IDLE_BELOW:
-                        reason = "idle"
-                        break
-                await asyncio.sleep(poll)
-            async with self._lock:
-                controller.update(lambda state: dataclasses.replace(
-                    state, endpoints=tuple(e for e in state.endpoints if e.id != endpoint_id)))
-                log.info("endpoint removed", extra={"endpoint": endpoint_id, "reason": reason})
-        finally:
-            self._removals.pop(endpoint_id, None)
+        while loop.time() < deadline:
+            current = controller.state.endpoint(endpoint_id)
+            if current is None:
+                return
+            published = controller.published_state
+            pushed = published is not None and (p := published.endpoint(endpoint_id)) is not None \
+                and p.draining
+            if drain_seen_at is None and pushed and controller.cache.default_settled(ENDPOINT):
+                drain_seen_at = time.monotonic()
+            if drain_seen_at is not None:
+                if current.health is Health.UNHEALTHY:
+                    reason = "unhealthy"
+                    break
+                t = current.telemetry
+                if t is not None and t.observed_at > drain_seen_at and t.inflight < IDLE_BELOW \
+                        and t.queue_depth < IDLE_BELOW:
+                    reason = "idle"
+                    break
+            await asyncio.sleep(poll)
+        async with self._lock:
+            controller.update(lambda state: dataclasses.replace(
+                state, endpoints=tuple(e for e in state.endpoints if e.id != endpoint_id)))
+            log.info("endpoint removed", extra={"endpoint": endpoint_id, "reason": reason})
 
     async def _set_override(self, endpoint_id: str, **changes: Any) -> EndpointOut:
         async with self._lock:
@@ -431,8 +444,7 @@ class AdminService:
             self.controller.update(change)
             for endpoint_id in vanished:
                 self.controller.update(_replace_endpoint(endpoint_id, draining=True))
-                self._removals[endpoint_id] = asyncio.create_task(self._drain_then_remove(endpoint_id),
-                                                                  name=f"deregister {endpoint_id}")
+                self._start_removal(endpoint_id)
                 log.info("endpoint deregistered on another replica: draining", extra={"endpoint": endpoint_id})
             return self.controller.state != state_before or self.controller.policy is not policy_before
 
@@ -564,10 +576,16 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
     async def healthz() -> dict[str, str]:
         return {"status": "alive"}
 
-    @app.get("/readyz", summary="Ready once the first snapshot is published and xDS is serving", tags=["probes"])
+    @app.get("/readyz", summary="Ready once the first snapshot is published and xDS is serving; not ready while "
+             "publishing fails", tags=["probes"])
     async def readyz() -> JSONResponse:
         if nginx is not None and not nginx.ready:  # NGINX mode: ready once nginx serves a validated config
             return JSONResponse({"status": "not ready", "reason": "nginx is not serving yet"}, status_code=503)
+        publishing = controller.publishing
+        if publishing.failing:  # the state Envoys and ext_procs get is stale until a publish succeeds
+            return JSONResponse({"status": "not ready", "reason": f"publishing snapshots is failing "
+                                 f"({publishing.consecutive_failures} in a row, retrying): {publishing.last_error}"},
+                                status_code=503)
         if controller.published.is_set():
             return JSONResponse({"status": "ready", "endpoints": len(controller.state.endpoints)})
         return JSONResponse({"status": "not ready", "reason": "no snapshot published yet"}, status_code=503)

@@ -98,7 +98,10 @@ class Controller:
         self.published_replicas: tuple[str, ...] = ()  # the ext_proc node ids ext_proc's snapshot lists
         self._memos = (EndpointMemo(), EndpointMemo())  # Envoys', ext_proc's: used under _publish_lock only
         self.published = asyncio.Event()
-        self._debouncer = Debouncer(self.publish, delay=config.debounce_s, max_delay=config.debounce_max_s)
+        self._debouncer = Debouncer(self.publish, delay=config.debounce_s, max_delay=config.debounce_max_s,
+                                    observer=metrics)
+        # Failing now? (a failed publish is logged, counted and retried; /readyz says not ready meanwhile)
+        self.publishing = self._debouncer.publishing
         self._publish_lock = asyncio.Lock()
         self._listeners: list[Callable[[FleetState], None]] = []  # see add_listener
         self._discovery: dict[DiscoverySource, SourceMemory] = {}  # per discovery source

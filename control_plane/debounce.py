@@ -4,17 +4,32 @@ Telemetry changes every scrape and operators click fast; pushing each change
 would flood every Envoy. A change is published ``delay`` after the last one
 in a burst (trailing edge), but never later than ``max_delay`` after the
 first, so a steady stream of changes still goes out at least once a second.
+
+A flush that fails is supervised (``inferlb.runtime.supervision``): logged
+with its traceback, counted (``task_failed("publisher")``) and retried with
+backoff until one succeeds; marks that arrive meanwhile are folded into the
+retry (the flush publishes the latest state). :attr:`Debouncer.publishing`
+says whether flushing is failing now, for ``/readyz``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Awaitable, Callable
 
+from inferlb.runtime.backoff import Backoff
+from inferlb.runtime.supervision import FailureObserver, Supervised
+
+log = logging.getLogger("inferlb.control_plane")
+
+TASK = "publisher"
+
 
 class Debouncer:
-    def __init__(self, flush: Callable[[], Awaitable[None]], *, delay: float = 0.1, max_delay: float = 1.0) -> None:
+    def __init__(self, flush: Callable[[], Awaitable[None]], *, delay: float = 0.1, max_delay: float = 1.0,
+                 observer: FailureObserver | None = None, backoff: Backoff | None = None) -> None:
         self._flush = flush
         self.delay = delay
         self.max_delay = max_delay
@@ -22,6 +37,8 @@ class Debouncer:
         self._last = 0.0
         self._pending = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.publishing = Supervised(TASK, backoff=backoff or Backoff(initial_s=0.1, max_s=5.0), observer=observer,
+                                     logger=log)
 
     def mark(self) -> None:
         """Note a change; the flush follows within ``delay`` .. ``max_delay``."""
@@ -52,4 +69,4 @@ class Debouncer:
                 await asyncio.sleep(remaining)  # a timer, re-armed by marks that arrive meanwhile
             self._first = None
             self._pending.clear()
-            await self._flush()
+            await self.publishing.run(self._flush)

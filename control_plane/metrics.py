@@ -18,6 +18,8 @@ from .autoscale import DESIRED_REPLICAS_METRIC, ONGOING_REQUESTS_METRIC, Autosca
 from .model import FleetState, Health
 from .type_urls import SHORT_NAMES
 
+# The supervised background tasks (label ``task`` of inferlb_cp_task_failures_total).
+SUPERVISED_TASKS = ("publisher", "deregister", "store-follower")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -121,6 +123,14 @@ class ControlPlaneMetrics:
         )
         self.store_reloads = Counter("inferlb_cp_store_reloads", "Operator-state reloads from the shared store.",
                                      ["result"], registry=r)
+        self.task_failures = Counter(
+            "inferlb_cp_task_failures",
+            "Background-task failures, each logged and retried with backoff (publisher: snapshot publishing; "
+            "deregister: a drain-then-remove; store-follower: following the shared store), by task.",
+            ["task"], registry=r,
+        )
+        for task in SUPERVISED_TASKS:  # exported at 0 from the start
+            self.task_failures.labels(task=task)
 
     # XdsMetrics
     def on_connect(self, mode: str) -> None:
@@ -173,6 +183,10 @@ class ControlPlaneMetrics:
 
     def discovery_failed(self, source: str) -> None:
         self.discovery_errors.labels(source=source).inc()
+
+    # inferlb.runtime.supervision.FailureObserver
+    def task_failed(self, task: str) -> None:
+        self.task_failures.labels(task=task).inc()
 
     def register_autoscale(self, signal: Callable[[], AutoscaleSignal | None]) -> None:
         self.registry.register(_AutoscaleCollector(signal))

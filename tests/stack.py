@@ -222,6 +222,7 @@ def running_control_plane(
     env: Mapping[str, str] | None = None,
     data_dir: Path | None = None,
     timeout: float = 30,
+    module: str = "control_plane",
 ) -> Iterator[ControlPlane]:
     """``python -m control_plane`` on free ports; ready when ``/readyz`` answers 200.
 
@@ -232,13 +233,14 @@ def running_control_plane(
     Envoy's listener port (which the control plane puts in its LDS) and the
     ext_proc port default to free ports too; nothing listens on the ext_proc
     port, so Envoy's ext_proc filter fails open and routes on the weights.
+    ``module``: another entry point with the same command line (a test's fault-injecting wrapper).
     """
     xds_port = xds_port or free_port()
     admin_port = admin_port or free_port()
     listener_port = listener_port or free_port()
     ext_proc_port = ext_proc_port or free_port()
     data_dir = data_dir or log_dir / "control-plane-data"
-    argv = [sys.executable, "-m", "control_plane", "--xds-port", str(xds_port), "--admin-port", str(admin_port),
+    argv = [sys.executable, "-m", module, "--xds-port", str(xds_port), "--admin-port", str(admin_port),
             "--scrape-interval", str(scrape_interval_s), "--weight-policy", weight_policy,
             "--data-dir", str(data_dir)]
     for endpoint in endpoints:

@@ -1,17 +1,5 @@
-"""Exponential backoff with full jitter, for providers retrying a failing source."""
+"""Kept for the providers' imports: the backoff lives in ``inferlb.runtime.backoff`` (shared by every retry)."""
 
-from __future__ import annotations
+from inferlb.runtime.backoff import Backoff
 
-import random
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Backoff:
-    initial_s: float = 0.5
-    max_s: float = 30.0
-
-    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        """Seconds before retry number ``attempt`` (1 = the first retry); never 0, never above ``max_s``."""
-        ceiling = min(self.max_s, self.initial_s * 2 ** max(0, attempt - 1))
-        return max(self.initial_s / 2, (rng or random).uniform(ceiling / 2, ceiling))
+__all__ = ["Backoff"]
