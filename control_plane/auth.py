@@ -6,8 +6,16 @@ Where from, first found wins:
 2. ``admin_token`` in the config (file table ``[control_plane]`` or
    ``INFERLB_CP_ADMIN_TOKEN``);
 3. the file ``<data_dir>/admin-token``: reused when it exists; otherwise a
-   new token (``secrets.token_urlsafe(32)``) is written there, mode 0600,
-   created exclusively so two starting processes never overwrite each other.
+   new token (``secrets.token_urlsafe(32)``) is written there, mode 0600.
+
+Writing it is atomic: the token goes to a temporary file in the same
+directory (mode 0600), is fsynced, and only then renamed to its name (and
+the directory fsynced), so the name never holds a partial or empty token,
+whatever crashes when. Creating or repairing it happens under an exclusive
+lock (``flock`` on ``admin-token.lock``): of several processes starting at
+once, one writes the token and every other reads that one. An empty file
+(left by a crash of a version that wrote in place) is replaced by a new
+token, with a warning; a file with anything else unusable is an error.
 
 The token itself is never logged or printed, only where it is. The check is
 constant-time (``hmac.compare_digest``). A mutation without a valid token
@@ -19,20 +27,26 @@ too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hmac
 import ipaddress
 import logging
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 log = logging.getLogger("inferlb.control_plane.auth")
 
 TOKEN_FILE = "admin-token"
+LOCK_FILE = "admin-token.lock"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 ENV_TOKEN = "INFERLB_ADMIN_TOKEN"
 
 
@@ -91,24 +105,62 @@ def resolve_admin_token(configured: str | None, data_dir: Path, environ: Mapping
 
 
 def _read_or_create(path: Path) -> AdminToken:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except FileExistsError:
-        return _read(path)
-    token = secrets.token_urlsafe(32)
-    try:
-        os.fchmod(fd, 0o600)  # whatever the umask
-        os.write(fd, (token + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """The file's token; else, under the lock, a new one (unless another process wrote it meanwhile)."""
+    token = _read(path)
+    if token is not None:
+        return token
+    with _locked(path.with_name(LOCK_FILE)):
+        token = _read(path)
+        if token is not None:
+            return token
+        if path.exists():
+            log.warning("the admin token file is empty (a crash while it was written?): generating a new token",
+                        extra={"token_file": str(path)})
+        value = secrets.token_urlsafe(32)
+        _write_atomically(path, value + "\n")
     log.info("generated a new admin token", extra={"token_file": str(path)})
-    return AdminToken(token, "generated", path)
+    return AdminToken(value, "generated", path)
 
 
-def _read(path: Path) -> AdminToken:
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``lock_path`` (released by the kernel if the process dies)."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A complete, fsynced temporary file renamed over ``path``, then the directory fsynced."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            os.fchmod(fd, 0o600)  # mkstemp's mode already, whatever the umask; said explicitly
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a crash
+    finally:
+        os.close(directory)
+
+
+def _read(path: Path) -> AdminToken | None:
+    """The token in ``path``; None when there is no file or it is empty (whitespace only)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    except FileNotFoundError:
+        return None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise TokenError(f"{path}: the admin token file is a symbolic link; refusing it") from exc
@@ -124,6 +176,8 @@ def _read(path: Path) -> AdminToken:
         data = os.read(fd, 4096).decode("utf-8", "replace")
     finally:
         os.close(fd)
+    if not data.strip():
+        return None
     return AdminToken(_valid(data, str(path)), "file", path)
 
 
