@@ -41,7 +41,7 @@ async def run(config: ExtProcConfig) -> None:
     ), observer=metrics)
     servicer = ExtProcServicer.create(
         ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
-                        response_headers=config.response_headers),
+                        response_headers=config.response_headers, max_body_bytes=config.max_body_bytes),
         xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params))
     holder.append(servicer)
     health = HealthReporter(xds)

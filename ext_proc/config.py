@@ -58,7 +58,8 @@ class ExtProcConfig(BaseSettings):
     pick_policy: str = "least_completion_time"
     pick_params: dict[str, Any] = Field(default_factory=dict)
     # Envoy buffers up to this much body (its route's request_body_buffer_limit) and sends it
-    # in one gRPC message; gRPC must accept that message plus the headers around it.
+    # in one gRPC message; gRPC must accept that message plus the headers around it. A stream whose
+    # body goes over it (in one message or in chunks) gets a 413 at once: nothing is buffered past it.
     max_body_bytes: int = Field(4 * MIB, ge=1024)
     grpc_max_message_bytes: int = Field(8 * MIB, ge=64 * 1024)
     # Bodies larger than this are tokenised in a thread, off the event loop.

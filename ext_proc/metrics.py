@@ -43,6 +43,7 @@ FALLBACK_REASONS = (
     "no_decision",  # the policy returned nothing
     "policy_error",  # the policy raised
     "estimated_tokens",  # the body was not understood: a byte-based estimate was used
+    "body_too_large",  # the body went over max_body_bytes: 413
 )
 
 

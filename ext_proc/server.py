@@ -13,7 +13,9 @@ message) and the response headers. Per stream:
    retry fallbacks), plus ``x-inferlb-tokens`` and ``x-inferlb-predicted-ms``
    for the worker. The request's predicted work counts as outstanding on the
    primary until the response. No routable endpoint: an ImmediateResponse 503
-   in OpenAI's error shape.
+   in OpenAI's error shape. A body over ``max_body_bytes`` (Envoy's buffer
+   limit; body chunks are counted as they come, never buffered past it): an
+   ImmediateResponse 413 in the same shape, and the stream ends.
 3. **Response headers** -> learn: feed the cost model from the worker's
    ``server-timing``, ``x-inferlb-tokens`` and ORCA report (2xx only), and
    release the outstanding work.
@@ -99,6 +101,8 @@ class ServiceSettings:
     pick_header: str = "x-gateway-destination-endpoint"
     pick_metadata_namespace: str = "envoy.lb"
     response_headers: bool = True
+    # The most request body a stream may buffer: Envoy's own limit (the route's request_body_buffer_limit).
+    max_body_bytes: int = 4 * 1024 * 1024
 
 
 # --- protobuf wire format, for the answers built per request ---------------------------------------
@@ -278,16 +282,28 @@ NO_ENDPOINT_BODY = error_body(
     "Retry later.", "no_endpoint_ready")
 
 
-def _no_endpoint_response() -> pb.ProcessingResponse:
+def _immediate(status: int, body: bytes, details: str, *headers: tuple[str, str]) -> bytes:
+    """An ImmediateResponse with a JSON body. ``details`` (Envoy's response code details) starts with
+    ``inferlb_``: the listener's local-reply mappers leave such replies as they are (control_plane/resources.py)."""
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
-        headers=pb.HeaderMutation(set_headers=[_set("content-type", "application/json"), _set("retry-after", "1")]),
-        body=NO_ENDPOINT_BODY,
-        details="inferlb_no_endpoint_ready",
-    ))
+        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=pb.HeaderMutation(set_headers=[_set("content-type", "application/json"),
+                                               *(_set(k, v) for k, v in headers)]),
+        body=body,
+        details=details,
+    )).SerializeToString()
 
 
-_NO_ENDPOINT = _no_endpoint_response().SerializeToString()  # never changes: built once
+_NO_ENDPOINT = _immediate(http_status_pb2.ServiceUnavailable, NO_ENDPOINT_BODY, "inferlb_no_endpoint_ready",
+                          ("retry-after", "1"))  # never changes: built once
+
+
+def body_too_large_response(limit: int) -> bytes:
+    """413 for a body over ``limit`` bytes, in the workers' shape (``request_too_large``)."""
+    return _immediate(http_status_pb2.PayloadTooLarge,
+                      error_body(f"request body is over the limit of {limit} bytes", "request_too_large",
+                                 "invalid_request_error"),
+                      "inferlb_request_too_large")
 
 
 def _same_spec(a: PickPolicySpec, b: PickPolicySpec) -> bool:
@@ -304,12 +320,13 @@ def _serialize(response: bytes | pb.ProcessingResponse) -> bytes:
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
-    __slots__ = ("key", "headers", "body", "pick", "tokens", "predicted_s")
+    __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s")
 
     def __init__(self, key: int) -> None:
         self.key = key
         self.headers: Mapping[str, str] = _NO_HEADERS
         self.body: list[bytes] = []
+        self.body_bytes = 0  # received so far
         self.pick: str | None = None  # the primary endpoint id, once decided (and counted as outstanding)
         self.tokens = 0
         self.predicted_s = 0.0
@@ -340,6 +357,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._strip = (settings.pick_header, TOKENS_HEADER, PREDICTED_HEADER)
         self._strip_raw = tuple(name.encode() for name in self._strip)
         self._p_pick = _option_prefix(settings.pick_header)
+        self._too_large = body_too_large_response(settings.max_body_bytes)
         # ranked pick -> (header value, its set_headers entry, its dynamic_metadata); the same for any view,
         # as an endpoint id (host:port) always gives the same pick value.
         self._picks: dict[tuple[str, ...], tuple[str, bytes, bytes]] = {}
@@ -416,6 +434,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 kind = request.WhichOneof("request")
                 if kind == "request_body":
                     message = request.request_body
+                    stream.body_bytes += len(message.body)
+                    if stream.body_bytes > self.settings.max_body_bytes:  # never buffer past Envoy's limit
+                        stream.body = []
+                        self.metrics.count("fallbacks", "body_too_large")
+                        yield self._too_large
+                        return  # the immediate response ends the request
                     if not message.end_of_stream:  # BUFFERED sends one message; tolerate chunks anyway
                         stream.body.append(message.body)
                         yield _CONTINUE_BODY

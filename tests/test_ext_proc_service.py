@@ -84,10 +84,11 @@ class Harness:
 
 @asynccontextmanager
 async def serving(counter: TokenCounter, view: EndpointView | None = None,
-                  default_policy: PickPolicySpec = PickPolicySpec("least_completion_time")) -> AsyncIterator[Harness]:
+                  default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
+                  settings: ServiceSettings = ServiceSettings()) -> AsyncIterator[Harness]:
     """The real gRPC server (ExternalProcessor + health) on a free port, and a channel to it."""
     source = StaticViewSource(view)
-    servicer = ExtProcServicer.create(ServiceSettings(), source, ExtProcMetrics(), counter, default_policy)
+    servicer = ExtProcServicer.create(settings, source, ExtProcMetrics(), counter, default_policy)
     health = HealthReporter(source)
     target = f"127.0.0.1:{free_port()}"
     server = await serve_grpc(servicer, health, target, 8 * 1024 * 1024)
