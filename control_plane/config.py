@@ -8,10 +8,10 @@ at startup with the field's name, never half-applied.
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Mapping
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -40,6 +40,10 @@ class DataPlaneConfig(BaseModel):
 
     listener_address: str = "127.0.0.1"
     listener_port: int = Field(10000, ge=1, le=65535)
+    # HTTPS on the listener: absolute paths of a PEM certificate chain and its private key, as Envoy
+    # sees them (Envoy reads them, on its own host). Both or neither; neither: plaintext HTTP.
+    listener_tls_cert: str | None = None
+    listener_tls_key: str | None = None
     ext_proc_address: str = "127.0.0.1"
     ext_proc_port: int = Field(9002, ge=1, le=65535)
     ext_proc_message_timeout_ms: int = Field(200, ge=1, le=60000)
@@ -53,10 +57,22 @@ class DataPlaneConfig(BaseModel):
     # xDS node cluster of the ext_proc replicas: they get the EDS with telemetry metadata.
     ext_proc_node_cluster: str = Field("inferlb-ext-proc", min_length=1)
 
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "DataPlaneConfig":
+        if (self.listener_tls_cert is None) != (self.listener_tls_key is None):
+            raise ValueError("listener_tls_cert and listener_tls_key go together: set both (HTTPS) or neither")
+        for name in ("listener_tls_cert", "listener_tls_key"):
+            value = getattr(self, name)
+            if value is not None and not PurePosixPath(value).is_absolute():
+                raise ValueError(f"{name} must be an absolute path (Envoy reads it on its own host), got {value!r}")
+        return self
+
     def settings(self) -> DataPlaneSettings:
         return DataPlaneSettings(
             listener_address=self.listener_address,
             listener_port=self.listener_port,
+            listener_tls_cert=self.listener_tls_cert,
+            listener_tls_key=self.listener_tls_key,
             ext_proc=ExtProcSettings(
                 address=self.ext_proc_address,
                 port=self.ext_proc_port,
@@ -184,6 +200,13 @@ class ControlPlaneConfig(BaseSettings):
                 raise ValueError(f"endpoint {text!r} is listed twice")
             seen.add((host, port))
         return value
+
+    @model_validator(mode="after")
+    def _tls_needs_envoy(self) -> "ControlPlaneConfig":
+        if self.nginx.enabled and self.data_plane.listener_tls_cert is not None:
+            raise ValueError("data_plane.listener_tls_cert/key configure Envoy's listener; the NGINX data plane "
+                             "does not terminate TLS (unset them, or use the Envoy data plane)")
+        return self
 
     @property
     def stale_after_s(self) -> float:

@@ -97,6 +97,9 @@ class DataPlaneSettings:
 
     listener_address: str = "127.0.0.1"
     listener_port: int = 10000
+    # TLS on the listener: PEM files on Envoy's host, both or neither (None: plaintext HTTP).
+    listener_tls_cert: str | None = None
+    listener_tls_key: str | None = None
     listener_name: str = "inferlb_http"
     route_name: str = "inferlb_routes"
     workers_cluster: str = "workers"

@@ -37,9 +37,10 @@ import struct
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 
-from google.protobuf import any_pb2, duration_pb2, wrappers_pb2
+from google.protobuf import any_pb2, duration_pb2, struct_pb2, wrappers_pb2
 from google.protobuf.message import Message
 
+from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
 from envoy.config.core.v3 import (
     address_pb2,
@@ -49,11 +50,13 @@ from envoy.config.core.v3 import (
     grpc_service_pb2,
     health_check_pb2,
     protocol_pb2,
+    substitution_format_string_pb2,
 )
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
 from envoy.config.route.v3 import route_components_pb2, route_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
@@ -62,6 +65,8 @@ from envoy.extensions.load_balancing_policies.common.v3 import common_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2
+from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_pb2
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import percent_pb2
@@ -78,6 +83,8 @@ HCM_FILTER = "envoy.filters.network.http_connection_manager"
 OVERRIDE_HOST_POLICY = "envoy.load_balancing_policies.override_host"
 LEAST_REQUEST_POLICY = "envoy.load_balancing_policies.least_request"
 PREVIOUS_HOSTS_PREDICATE = "envoy.retry_host_predicates.previous_hosts"
+CEL_FILTER = "envoy.access_loggers.extension_filters.cel"
+TLS_TRANSPORT_SOCKET = "envoy.transport_sockets.tls"
 RETRY_ON = "connect-failure,reset,5xx"
 
 # One locality, one priority: nothing to spill over to. 100 makes Envoy's
@@ -201,8 +208,94 @@ def build_strip_pick_filter(settings: DataPlaneSettings) -> header_mutation_pb2.
     )
 
 
+# --- Envoy's own local replies, in OpenAI's error shape -----------------------------------------
+
+# Envoy's local replies by status: OpenAI's error ``type`` and a ``code`` (the workers' names where they
+# have one: request_too_large, internal_error), and the message when Envoy's own text is empty or vague
+# (None: Envoy's text, e.g. "no healthy upstream", "upstream request timeout"; %RESPONSE_CODE_DETAILS%
+# is Envoy's reason, e.g. missing_host_header).
+LOCAL_REPLIES: Mapping[int, tuple[str, str, str | None]] = MappingProxyType({
+    400: ("invalid_request_error", "invalid_request", "malformed request (%RESPONSE_CODE_DETAILS%)"),
+    404: ("invalid_request_error", "not_found", "no route for this request"),
+    408: ("invalid_request_error", "request_timeout", None),
+    413: ("invalid_request_error", "request_too_large", "request body is too large"),  # with the limit: below
+    431: ("invalid_request_error", "headers_too_large", None),
+    500: ("server_error", "internal_error", None),
+    502: ("server_error", "bad_gateway", None),
+    503: ("server_error", "upstream_unavailable", None),
+    504: ("server_error", "upstream_timeout", None),
+})
+# Any other status: by class.
+OTHER_CLIENT_ERROR = ("invalid_request_error", "invalid_request")
+OTHER_SERVER_ERROR = ("server_error", "internal_error")
+OTHER_MESSAGE = "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"
+# ext_proc's immediate responses (no endpoint ready, a body over its limit) are already in OpenAI's
+# shape, with their own codes; their response code details start with this, and no mapper touches them.
+EXT_PROC_DETAILS_PREFIX = "inferlb_"
+_NOT_FROM_EXT_PROC = f"!response.code_details.startsWith('{EXT_PROC_DETAILS_PREFIX}')"
+_RUNTIME_KEY = "inferlb.local_reply.status"  # required by the proto; nothing sets it
+
+
+def _status(op: int, code: int) -> accesslog_pb2.AccessLogFilter:
+    value = base_pb2.RuntimeUInt32(default_value=code, runtime_key=_RUNTIME_KEY)
+    return accesslog_pb2.AccessLogFilter(status_code_filter=accesslog_pb2.StatusCodeFilter(
+        comparison=accesslog_pb2.ComparisonFilter(op=op, value=value)))  # type: ignore[arg-type]
+
+
+def _envoys_own(*conditions: accesslog_pb2.AccessLogFilter) -> accesslog_pb2.AccessLogFilter:
+    """``conditions`` and: the reply is Envoy's own, not ext_proc's."""
+    not_ext_proc = accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(
+        name=CEL_FILTER, typed_config=_pack(cel_pb2.ExpressionFilter(expression=_NOT_FROM_EXT_PROC))))
+    return accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=[*conditions, not_ext_proc]))
+
+
+def _openai_error(type_: str, code: str,
+                  message: str | None) -> substitution_format_string_pb2.SubstitutionFormatString:
+    body = struct_pb2.Struct()
+    body.update({"error": {"message": message if message is not None else "%LOCAL_REPLY_BODY%", "type": type_,
+                           "param": None, "code": code}})
+    return substitution_format_string_pb2.SubstitutionFormatString(json_format=body)  # application/json
+
+
+def build_local_reply_config(max_request_body_bytes: int | None) -> hcm_pb2.LocalReplyConfig:
+    """Envoy's own error replies (413 over the body limit, 503 no healthy upstream, 504 upstream timeout,
+    400 malformed, ...) as ``{"error": {"message", "type", "param": null, "code"}}``, application/json.
+
+    Only local replies are formatted: a worker's own error answer passes as it is. ext_proc's replies
+    (details ``inferlb_*``) too. ``max_request_body_bytes``: the limit the 413 message names (None: none
+    is configured). A pure function: the bench's static Envoys use the same (``MessageToDict`` of it).
+    """
+    op = accesslog_pb2.ComparisonFilter
+    mappers = []
+    for status, (type_, code, message) in sorted(LOCAL_REPLIES.items()):
+        if status == 413 and max_request_body_bytes is not None:
+            message = f"request body is over the limit of {max_request_body_bytes} bytes"
+        mappers.append(hcm_pb2.ResponseMapper(filter=_envoys_own(_status(op.EQ, status)),
+                                              body_format_override=_openai_error(type_, code, message)))
+    mappers.append(hcm_pb2.ResponseMapper(filter=_envoys_own(_status(op.GE, 400), _status(op.LE, 499)),
+                                          body_format_override=_openai_error(*OTHER_CLIENT_ERROR, OTHER_MESSAGE)))
+    mappers.append(hcm_pb2.ResponseMapper(filter=_envoys_own(_status(op.GE, 500)),
+                                          body_format_override=_openai_error(*OTHER_SERVER_ERROR, OTHER_MESSAGE)))
+    # No top-level body_format: a reply no mapper matched (ext_proc's) keeps its body and content type.
+    return hcm_pb2.LocalReplyConfig(mappers=mappers)
+
+
+def build_downstream_tls(cert_chain: str, private_key: str) -> base_pb2.TransportSocket:
+    """TLS on the listener: Envoy reads both PEM files (paths on Envoy's host) when it gets the listener;
+    ALPN offers HTTP/2 and HTTP/1.1 (the codec is AUTO)."""
+    context = tls_pb2.DownstreamTlsContext(common_tls_context=tls_pb2.CommonTlsContext(
+        tls_certificates=[tls_common_pb2.TlsCertificate(
+            certificate_chain=base_pb2.DataSource(filename=cert_chain),
+            private_key=base_pb2.DataSource(filename=private_key),
+        )],
+        alpn_protocols=["h2", "http/1.1"],
+    ))
+    return base_pb2.TransportSocket(name=TLS_TRANSPORT_SOCKET, typed_config=_pack(context))
+
+
 def build_listener(settings: DataPlaneSettings) -> listener_pb2.Listener:
-    """HTTP listener: ext_proc picks, the router forwards; routes arrive by RDS over ADS."""
+    """HTTP listener (HTTPS when the settings name a certificate and key): ext_proc picks, the router
+    forwards; routes arrive by RDS over ADS; Envoy's own error replies in OpenAI's shape."""
     manager = hcm_pb2.HttpConnectionManager(
         stat_prefix=settings.listener_name,
         codec_type=hcm_pb2.HttpConnectionManager.AUTO,
@@ -220,13 +313,17 @@ def build_listener(settings: DataPlaneSettings) -> listener_pb2.Listener:
         use_remote_address=wrappers_pb2.BoolValue(value=False),
         normalize_path=wrappers_pb2.BoolValue(value=True),
         merge_slashes=True,
+        local_reply_config=build_local_reply_config(settings.ext_proc.max_request_body_bytes),
     )
+    chain = listener_components_pb2.FilterChain(filters=[
+        listener_components_pb2.Filter(name=HCM_FILTER, typed_config=_pack(manager)),
+    ])
+    if settings.listener_tls_cert is not None and settings.listener_tls_key is not None:
+        chain.transport_socket.CopyFrom(build_downstream_tls(settings.listener_tls_cert, settings.listener_tls_key))
     return listener_pb2.Listener(
         name=settings.listener_name,
         address=_socket_address(settings.listener_address, settings.listener_port),
-        filter_chains=[listener_components_pb2.FilterChain(filters=[
-            listener_components_pb2.Filter(name=HCM_FILTER, typed_config=_pack(manager)),
-        ])],
+        filter_chains=[chain],
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import pytest
+
 from control_plane.debounce import Debouncer
 from inferlb.runtime.backoff import Backoff
 
@@ -78,7 +80,7 @@ class Failures:
         self.counts[task] = self.counts.get(task, 0) + 1
 
 
-def test_a_failing_flush_is_logged_counted_and_retried_until_it_succeeds(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_flush_is_logged_counted_and_retried_until_it_succeeds(caplog: pytest.LogCaptureFixture) -> None:
     """Before supervision one exception ended the debouncer's task: nothing was published again."""
     async def main() -> tuple[list[bool], Failures]:
         failures = Failures()

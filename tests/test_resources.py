@@ -11,6 +11,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from envoy.config.accesslog.v3 import accesslog_pb2
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -22,10 +23,14 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
 )
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
+from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
+from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import json_format, struct_pb2
+from pydantic import ValidationError
 
 from control_plane import resources, type_urls
+from control_plane.config import ControlPlaneConfig
 from control_plane.model import (
     MAX_WEIGHT,
     DataPlaneSettings,
@@ -108,6 +113,79 @@ def _serialized(resources: dict) -> dict[tuple[str, str], bytes]:
 
 
 # --- listener ------------------------------------------------------------------------------------
+
+def _comparisons(conditions) -> list[tuple[str, int]]:  # type: ignore[no-untyped-def]
+    ops = accesslog_pb2.ComparisonFilter.Op
+    return [(ops.Name(c.status_code_filter.comparison.op), c.status_code_filter.comparison.value.default_value)
+            for c in conditions]
+
+
+def _mapped(config: hcm_pb2.LocalReplyConfig) -> dict[tuple, dict]:
+    """The local-reply mappers: their status conditions -> the error they answer with."""
+    mapped = {}
+    for mapper in config.mappers:
+        *conditions, not_ext_proc = mapper.filter.and_filter.filters
+        assert not_ext_proc.extension_filter.name == "envoy.access_loggers.extension_filters.cel"
+        expression = _unpack(not_ext_proc.extension_filter.typed_config, cel_pb2.ExpressionFilter).expression
+        assert expression == "!response.code_details.startsWith('inferlb_')"  # ext_proc's details prefix
+        error = json_format.MessageToDict(mapper.body_format_override.json_format)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] is None
+        mapped[tuple(_comparisons(conditions))] = error
+    return mapped
+
+
+def test_envoys_own_replies_become_openai_errors_and_ext_procs_stay_as_they_are() -> None:
+    settings = DataPlaneSettings(ext_proc=ExtProcSettings(max_request_body_bytes=2 * 1024 * 1024))
+    config = _hcm(settings).local_reply_config
+    assert not config.HasField("body_format")  # a reply no mapper matched (ext_proc's) keeps body and type
+    mapped = _mapped(config)
+    assert mapped[(("EQ", 413),)] == {"message": "request body is over the limit of 2097152 bytes",
+                                       "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+    assert mapped[(("EQ", 503),)] == {"message": "%LOCAL_REPLY_BODY%", "type": "server_error", "param": None,
+                                       "code": "upstream_unavailable"}  # Envoy's text: "no healthy upstream"
+    assert mapped[(("EQ", 504),)]["code"] == "upstream_timeout"
+    assert mapped[(("EQ", 404),)]["message"] == "no route for this request"  # Envoy's own text is empty
+    # every other status, by class; the specific ones come first (Envoy uses the first mapper that matches)
+    assert list(mapped)[-2:] == [(("GE", 400), ("LE", 499)), (("GE", 500),)]
+    assert mapped[(("GE", 400), ("LE", 499))]["type"] == "invalid_request_error"
+    assert mapped[(("GE", 500),)]["type"] == "server_error"
+
+
+def test_the_bench_without_a_body_limit_says_so_without_a_number() -> None:
+    error = _mapped(resources.build_local_reply_config(None))[(("EQ", 413),)]
+    assert error == {"message": "request body is too large", "type": "invalid_request_error", "param": None,
+                     "code": "request_too_large"}
+
+
+def test_the_listener_is_plaintext_unless_a_certificate_and_key_are_named() -> None:
+    assert not build_listener(DataPlaneSettings()).filter_chains[0].HasField("transport_socket")
+    settings = DataPlaneSettings(listener_tls_cert="/etc/inferlb/tls/cert.pem",
+                                 listener_tls_key="/etc/inferlb/tls/key.pem")
+    (chain,) = build_listener(settings).filter_chains
+    assert chain.transport_socket.name == "envoy.transport_sockets.tls"
+    context = _unpack(chain.transport_socket.typed_config, tls_pb2.DownstreamTlsContext)
+    (certificate,) = context.common_tls_context.tls_certificates
+    assert certificate.certificate_chain.filename == "/etc/inferlb/tls/cert.pem"
+    assert certificate.private_key.filename == "/etc/inferlb/tls/key.pem"
+    assert list(context.common_tls_context.alpn_protocols) == ["h2", "http/1.1"]
+    assert not context.HasField("require_client_certificate")
+
+
+@pytest.mark.parametrize("data_plane, error", [
+    ({"listener_tls_cert": "/etc/tls/cert.pem"}, "go together"),
+    ({"listener_tls_key": "/etc/tls/key.pem"}, "go together"),
+    ({"listener_tls_cert": "cert.pem", "listener_tls_key": "/etc/tls/key.pem"}, "absolute path"),
+])
+def test_listener_tls_settings_are_checked(data_plane: dict, error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        ControlPlaneConfig(data_plane=data_plane)
+
+
+def test_listener_tls_is_refused_with_the_nginx_data_plane() -> None:
+    with pytest.raises(ValidationError, match="NGINX data plane does not terminate TLS"):
+        ControlPlaneConfig(nginx={"enabled": True}, data_plane={"listener_tls_cert": "/etc/tls/cert.pem",
+                                                                "listener_tls_key": "/etc/tls/key.pem"})
+
 
 def test_listener_address_and_hcm() -> None:
     settings = DataPlaneSettings(listener_address="127.0.0.1", listener_port=10555)

@@ -5,7 +5,8 @@ policy is the same as in inferlb's own Envoy (``control_plane/resources.py``),
 so that the policy is the only difference: one HTTP listener, one route to the
 ``workers`` cluster, the same request/idle/route timeout, no retries (the bench
 sets inferlb's to 0 too), the same circuit-breaker thresholds (Envoy's default
-1024 pending would fail requests that inferlb's Envoy queues).
+1024 pending would fail requests that inferlb's Envoy queues), and the same
+local replies (Envoy's own errors in OpenAI's shape: ``build_local_reply_config``).
 
 CSWRR (``envoy_cswrr_orca``) reads the ORCA report that every worker puts on
 every response (``endpoint-load-metrics: TEXT cpu_utilization=..,
@@ -19,6 +20,10 @@ blackout, 1 s update); a 20 s run on a fresh fleet needs shorter ones, see
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
+
+from google.protobuf import json_format
+
+from control_plane.resources import build_local_reply_config
 
 WORKERS_CLUSTER = "workers"
 
@@ -100,6 +105,9 @@ def render_static_bootstrap(
         "request_timeout": timeout,
         "stream_idle_timeout": timeout,
         "use_remote_address": False,
+        # No body buffer limit here (nothing buffers the body): the 413 message names none.
+        "local_reply_config": json_format.MessageToDict(build_local_reply_config(None),
+                                                        preserving_proto_field_name=True),
     }
     cluster = {
         "name": WORKERS_CLUSTER,
