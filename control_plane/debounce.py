@@ -6,10 +6,11 @@ in a burst (trailing edge), but never later than ``max_delay`` after the
 first, so a steady stream of changes still goes out at least once a second.
 
 A flush that fails is supervised (``inferlb.runtime.supervision``): logged
-with its traceback, counted (``task_failed("publisher")``) and retried with
-backoff until one succeeds; marks that arrive meanwhile are folded into the
-retry (the flush publishes the latest state). :attr:`Debouncer.publishing`
-says whether flushing is failing now, for ``/readyz``.
+with its traceback, counted (``task_failed(task)``, "publisher" for the
+controller's) and retried with backoff until one succeeds; marks that
+arrive meanwhile are folded into the retry (the flush publishes the latest
+state). :attr:`Debouncer.publishing` says whether flushing is failing now,
+for ``/readyz``.
 """
 
 from __future__ import annotations
@@ -24,12 +25,10 @@ from inferlb.runtime.supervision import FailureObserver, Supervised
 
 log = logging.getLogger("inferlb.control_plane")
 
-TASK = "publisher"
-
-
 class Debouncer:
     def __init__(self, flush: Callable[[], Awaitable[None]], *, delay: float = 0.1, max_delay: float = 1.0,
-                 observer: FailureObserver | None = None, backoff: Backoff | None = None) -> None:
+                 task: str = "publisher", observer: FailureObserver | None = None,
+                 backoff: Backoff | None = None) -> None:
         self._flush = flush
         self.delay = delay
         self.max_delay = max_delay
@@ -37,7 +36,7 @@ class Debouncer:
         self._last = 0.0
         self._pending = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.publishing = Supervised(TASK, backoff=backoff or Backoff(initial_s=0.1, max_s=5.0), observer=observer,
+        self.publishing = Supervised(task, backoff=backoff or Backoff(initial_s=0.1, max_s=5.0), observer=observer,
                                      logger=log)
 
     def mark(self) -> None:

@@ -95,7 +95,8 @@ class NginxApplier:
         self._state = state
         self._observer = observer
         self.process = NginxProcess(settings)
-        self._debouncer = Debouncer(self._cycle, delay=settings.debounce_s, max_delay=max(settings.debounce_s, 1.0))
+        self._debouncer = Debouncer(self._cycle, delay=settings.debounce_s, max_delay=max(settings.debounce_s, 1.0),
+                                    task="nginx-apply")  # a failing cycle is logged and retried
         self._applied: RenderedConfig | None = None
         self._applied_at: float | None = None
         self._last_reload = float("-inf")  # monotonic
