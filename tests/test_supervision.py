@@ -9,6 +9,7 @@ task in-process, with an xDS cache that fails a few times.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,16 @@ from inferlb.runtime.backoff import Backoff
 from inferlb.runtime.supervision import Supervised
 
 from .faulty_control_plane import FAULT_ENV
-from .stack import ControlPlane, http, prometheus_samples, running_control_plane, running_envoy, \
-    running_sim_workers, sample, wait_for
+from .stack import (
+    ControlPlane,
+    http,
+    prometheus_samples,
+    running_control_plane,
+    running_envoy,
+    running_sim_workers,
+    sample,
+    wait_for,
+)
 from .test_admin_api import Admin
 from .test_admin_envoy import post
 
@@ -89,7 +98,7 @@ def test_a_failing_drain_then_remove_is_retried_counted_and_finishes() -> None:
         metrics = ControlPlaneMetrics(lambda: controller_ref[0].state)
         state = initial_state(config)
         controller = Controller(config, FlakyCache(failures=2), metrics,
-                                state.__class__(endpoints=(endpoint,), settings=state.settings))
+                                dataclasses.replace(state, endpoints=(endpoint,)))
         controller_ref.append(controller)
         await controller.start()
         service = AdminService(controller, deregistration_drain_s=0.5)
