@@ -32,6 +32,7 @@ from .nginx.applier import NginxApplier
 from .nginx.process import NginxError
 from .policy import WeightPolicy, make_weight_policy
 from .scraper import Scraper, ScraperConfig
+from .serving import TlsConfigError, admin_tls_arguments, warn_plaintext, xds_server_settings
 from .store import OperatorState, OperatorStore, StoreError, open_store, restore
 from .store.follow import follow
 from .xds import SnapshotCache, serve_xds, stop_xds
@@ -74,7 +75,13 @@ async def start_nginx(config: ControlPlaneConfig, controller: Controller,
 
 async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, stored: OperatorState | None = None,
               token: AdminToken | None = None) -> int:
-    """Serve until SIGINT/SIGTERM (exit status 0) or until a component fails (1)."""
+    """Serve until SIGINT/SIGTERM (exit status 0) or until a component fails (1).
+
+    TLS files are read and checked first (:class:`TlsConfigError` before anything starts).
+    """
+    xds_settings = xds_server_settings(config)
+    admin_tls = admin_tls_arguments(config)
+    warn_plaintext(config, log)
     cache = SnapshotCache()
     controller_ref: list[Controller] = []
     metrics = ControlPlaneMetrics(lambda: controller_ref[0].state)
@@ -93,7 +100,7 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
             lambda: follow(store, service.reload_from_store, metrics, config.store_reload_interval_s)),
         name="store-follower")
 
-    xds = await serve_xds(cache, f"{config.xds_address}:{config.xds_port}", metrics)
+    xds = await serve_xds(cache, f"{config.xds_address}:{config.xds_port}", metrics, xds_settings)
     scraper = Scraper(
         ScraperConfig(interval_s=config.scrape_interval_s, timeout_s=config.scrape_timeout_s,
                       unhealthy_after=config.unhealthy_after),
@@ -102,7 +109,7 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     admin = EmbeddedServer(uvicorn.Config(
         create_admin_app(controller, metrics, service, token, auth_reads=config.admin_auth_reads, nginx=nginx),
         host=config.admin_address, port=config.admin_port,
-        log_config=None, access_log=False, lifespan="off",
+        log_config=None, access_log=False, lifespan="off", **admin_tls,
     ))
     tasks = [
         asyncio.create_task(scraper.run(lambda: controller.state.endpoints, controller.on_scrape_results),
@@ -211,6 +218,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(run(config, store, stored, token))
     except NginxError as exc:
         print(f"python -m control_plane: NGINX data plane: {exc}", file=sys.stderr)
+        return 2
+    except TlsConfigError as exc:
+        print(f"python -m control_plane: invalid TLS configuration: {exc}", file=sys.stderr)
         return 2
     finally:
         store.close()

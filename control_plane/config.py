@@ -19,7 +19,9 @@ from pydantic_settings import (
 )
 
 from inferlb.runtime.settings import load_layered
+from inferlb.runtime.tls import all_or_none
 
+from .auth import is_loopback
 from .autoscale import AutoscaleSettings
 from .model import DataPlaneSettings, ExtProcSettings
 from .nginx.config import NginxConfig
@@ -88,6 +90,25 @@ class DataPlaneConfig(BaseModel):
         )
 
 
+# The node cluster of the Envoys (envoy/bootstrap.yaml's default, `inferlb up`, Compose, Kubernetes).
+ENVOY_NODE_CLUSTER = "inferlb"
+
+
+class XdsLimitsConfig(BaseModel):
+    """How much one xDS client may take ([control_plane.xds_limits]; see ``xds/server.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keepalive_time_s: float = Field(30.0, gt=0)  # the server pings every connection this often
+    keepalive_timeout_s: float = Field(10.0, gt=0)  # and closes one that does not answer within this
+    max_connections: int = Field(1024, ge=1)
+    max_concurrent_streams: int = Field(16, ge=1)  # per HTTP/2 connection: an excess stream is reset
+    max_streams: int = Field(4096, ge=1)  # in all: RESOURCE_EXHAUSTED beyond
+    max_streams_per_node: int = Field(4, ge=1)  # per node id: RESOURCE_EXHAUSTED beyond
+    max_request_bytes: int = Field(1024 * 1024, ge=64 * 1024)
+    inbound_buffer: int = Field(8, ge=1, le=1024)  # requests buffered per stream before reading pauses
+
+
 class AutoscaleConfig(BaseModel):
     """The autoscaling signal ([control_plane.autoscale]; see ``autoscale.py``)."""
 
@@ -120,6 +141,22 @@ class ControlPlaneConfig(BaseSettings):
     xds_port: int = Field(18000, ge=1, le=65535)
     admin_address: str = "127.0.0.1"
     admin_port: int = Field(8080, ge=1, le=65535)
+    # xDS: the node clusters served (any other node: PERMISSION_DENIED). Unset: the Envoys' (inferlb)
+    # and ext_proc's (data_plane.ext_proc_node_cluster). Comma-separated in the environment.
+    xds_allowed_node_clusters: Annotated[list[str] | None, NoDecode] = None
+    # mTLS on the ADS server: its certificate chain and key, and the CA that signs the clients'
+    # certificates (client certificates required). All three or none; none: plaintext.
+    xds_tls_cert: Path | None = None
+    xds_tls_key: Path | None = None
+    xds_tls_client_ca: Path | None = None
+    # Plaintext xDS on an address beyond loopback is refused unless this is set (then logged as a warning).
+    xds_allow_plaintext: bool = False
+    xds_limits: XdsLimitsConfig = Field(default_factory=XdsLimitsConfig)
+    # HTTPS on the admin API: certificate chain and key (both or neither). Beyond loopback without
+    # them the admin API (and its bearer token) would be plaintext: refused unless admin_allow_plaintext.
+    admin_tls_cert: Path | None = None
+    admin_tls_key: Path | None = None
+    admin_allow_plaintext: bool = False
     # Static endpoints, host:port each (comma-separated in the environment).
     endpoints: Annotated[list[str], NoDecode] = Field(default_factory=list)
     scrape_interval_s: float = Field(0.5, gt=0)
@@ -160,6 +197,35 @@ class ControlPlaneConfig(BaseSettings):
     # With a shared store: the safety-net full reload of the operator state, besides LISTEN/NOTIFY.
     store_reload_interval_s: float = Field(30.0, gt=0)
 
+    @field_validator("xds_allowed_node_clusters")
+    @classmethod
+    def _valid_clusters(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and (not value or any(not c for c in value)):
+            raise ValueError("xds_allowed_node_clusters must name at least one non-empty node cluster "
+                             "(unset it for the default: the Envoys' and ext_proc's)")
+        return value
+
+    @model_validator(mode="after")
+    def _transport_security(self) -> "ControlPlaneConfig":
+        xds_tls = all_or_none({"xds_tls_cert": self.xds_tls_cert, "xds_tls_key": self.xds_tls_key,
+                               "xds_tls_client_ca": self.xds_tls_client_ca})
+        admin_tls = all_or_none({"admin_tls_cert": self.admin_tls_cert, "admin_tls_key": self.admin_tls_key})
+        if not xds_tls and not self.xds_allow_plaintext and not is_loopback(self.xds_address):
+            raise ValueError(f"xds_address {self.xds_address} is beyond loopback and xDS would be plaintext: "
+                             "configure mTLS (xds_tls_cert, xds_tls_key, xds_tls_client_ca) or accept "
+                             "plaintext explicitly with xds_allow_plaintext = true")
+        if not admin_tls and not self.admin_allow_plaintext and not is_loopback(self.admin_address):
+            raise ValueError(f"admin_address {self.admin_address} is beyond loopback and the admin API (and its "
+                             "bearer token) would be plaintext: configure admin_tls_cert and admin_tls_key, or "
+                             "accept plaintext explicitly with admin_allow_plaintext = true")
+        return self
+
+    @property
+    def allowed_node_clusters(self) -> frozenset[str]:
+        if self.xds_allowed_node_clusters is not None:
+            return frozenset(self.xds_allowed_node_clusters)
+        return frozenset({ENVOY_NODE_CLUSTER, self.data_plane.ext_proc_node_cluster})
+
     @field_validator("discovery_dns", mode="before")
     @classmethod
     def _split_dns(cls, value: Any) -> Any:
@@ -183,7 +249,7 @@ class ControlPlaneConfig(BaseSettings):
                 raise ValueError(f"kubernetes_service {value!r} is not namespace/name")
         return value
 
-    @field_validator("endpoints", mode="before")
+    @field_validator("endpoints", "xds_allowed_node_clusters", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -85,6 +85,17 @@ class ControlPlaneMetrics:
         self.acks = Counter("inferlb_cp_xds_acks", "xDS ACKs received.", ["type"], registry=r)
         self.nacks = Counter("inferlb_cp_xds_nacks", "xDS NACKs received.", ["type"], registry=r)
         self.clients = Gauge("inferlb_cp_xds_clients", "Connected xDS streams.", ["mode"], registry=r)
+        self.xds_refused = Counter(
+            "inferlb_cp_xds_refused",
+            "xDS streams refused at their first request, by reason (node_cluster: not in "
+            "xds_allowed_node_clusters, PERMISSION_DENIED; node_streams: over xds_max_streams_per_node).",
+            ["reason"], registry=r)
+        for reason in ("node_cluster", "node_streams"):  # exported at 0 from the start
+            self.xds_refused.labels(reason=reason)
+        self.xds_backpressure = Counter(
+            "inferlb_cp_xds_backpressure",
+            "Times an xDS stream's reader paused because its inbound buffer (xds_inbound_buffer) was full.",
+            registry=r)
         self.scrapes = Counter("inferlb_cp_scrapes", "Worker scrapes.", ["endpoint", "result"], registry=r)
         self.scrape_duration = Histogram(
             "inferlb_cp_scrape_duration_seconds", "Duration of one worker scrape.", buckets=LATENCY_BUCKETS,
@@ -148,6 +159,12 @@ class ControlPlaneMetrics:
 
     def on_nack(self, type_url: str) -> None:
         self.nacks.labels(type=_type(type_url)).inc()
+
+    def on_refused(self, reason: str) -> None:
+        self.xds_refused.labels(reason=reason).inc()
+
+    def on_backpressure(self) -> None:
+        self.xds_backpressure.inc()
 
     # ScrapeObserver
     def scrape_done(self, endpoint_id: str, ok: bool, duration_s: float) -> None:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from inferlb.runtime.http import EmbeddedServer
 from inferlb.runtime.logs import configure_json_logging
+from inferlb.runtime.tls import PemFiles, load_pem_files
 
 from .config import ExtProcConfig, load_config
 from .metrics import ExtProcMetrics, LiveState, create_http_app
@@ -30,7 +31,15 @@ log = logging.getLogger("inferlb.ext_proc")
 SHUTDOWN_GRACE_S = 5.0
 
 
-async def run(config: ExtProcConfig) -> None:
+def xds_tls(config: ExtProcConfig) -> PemFiles | None:
+    """The mTLS material of the xDS channel, read and checked (TlsConfigError names the file), or None."""
+    if config.xds_tls_cert is None or config.xds_tls_key is None or config.xds_tls_ca is None:
+        return None  # the config allows all three or none
+    return load_pem_files(config.xds_tls_cert, config.xds_tls_key, config.xds_tls_ca,
+                          settings=("xds_tls_cert", "xds_tls_key", "xds_tls_ca"))
+
+
+async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
     counter = await asyncio.to_thread(TokenCounter.from_package, inline_body_bytes=config.inline_count_bytes)
     holder: list[ExtProcServicer] = []
     metrics = ExtProcMetrics(lambda: holder[0].live_state() if holder else LiveState())
@@ -38,6 +47,7 @@ async def run(config: ExtProcConfig) -> None:
         target=config.xds_target, node_id=config.node_id, node_cluster=config.node_cluster,
         cluster=config.workers_cluster, delta=config.xds_mode == "delta",
         backoff_initial_s=config.reconnect_initial_s, backoff_max_s=config.reconnect_max_s,
+        tls=tls, tls_server_name=config.xds_tls_server_name,
     ), observer=metrics)
     servicer = ExtProcServicer.create(
         ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
@@ -66,7 +76,8 @@ async def run(config: ExtProcConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     log.info("ext_proc started", extra={
         "grpc": config.grpc_target, "metrics": f"{config.metrics_address}:{config.metrics_port}",
-        "xds": config.xds_target, "xds_mode": config.xds_mode, "node_id": config.node_id,
+        "xds": config.xds_target, "xds_mode": config.xds_mode, "xds_mtls": tls is not None,
+        "node_id": config.node_id,
         "node_cluster": config.node_cluster, "pick_policy": config.pick_policy,
     })
     stopper = asyncio.create_task(stop.wait())
@@ -122,11 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         make_pick_policy(config.pick_policy, config.pick_params)  # refuse a bad policy up front
         packaged_tokenizer_path()  # and a missing model package (tokens are counted with its tokenizer)
+        tls = xds_tls(config)  # and unusable TLS files (TlsConfigError is a ValueError)
     except (ValidationError, ValueError, OSError) as exc:
         print(f"python -m ext_proc: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     configure_json_logging("ext_proc", config.log_level)
-    run_loop(run(config), config.event_loop)
+    run_loop(run(config, tls), config.event_loop)
     return 0
 
 

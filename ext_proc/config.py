@@ -20,6 +20,7 @@ from pydantic_settings import (
 )
 
 from inferlb.runtime.settings import load_layered
+from inferlb.runtime.tls import all_or_none
 
 MIB = 1024 * 1024
 
@@ -45,6 +46,13 @@ class ExtProcConfig(BaseSettings):
     xds_address: str = "127.0.0.1"
     xds_port: int = Field(18000, ge=1, le=65535)
     xds_mode: Literal["delta", "sotw"] = "delta"
+    # mTLS to the control plane: this replica's certificate chain and key, and the CA that signs the
+    # control plane's certificate. All three or none (none: plaintext, the loopback default).
+    xds_tls_cert: Path | None = None
+    xds_tls_key: Path | None = None
+    xds_tls_ca: Path | None = None
+    # The name the control plane's certificate must carry, when it is not xds_address (gRPC checks it).
+    xds_tls_server_name: str | None = None
     node_id: str = ""  # empty: ext-proc-<hostname>-<pid>
     # The control plane serves the rich EDS (telemetry, pick policy) to this node cluster.
     node_cluster: str = Field("inferlb-ext-proc", min_length=1)
@@ -72,6 +80,8 @@ class ExtProcConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExtProcConfig":
+        all_or_none({"xds_tls_cert": self.xds_tls_cert, "xds_tls_key": self.xds_tls_key,
+                     "xds_tls_ca": self.xds_tls_ca})
         if self.reconnect_max_s < self.reconnect_initial_s:
             raise ValueError("reconnect_max_s must be >= reconnect_initial_s")
         if self.grpc_max_message_bytes < self.max_body_bytes + 64 * 1024:

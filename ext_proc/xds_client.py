@@ -21,6 +21,9 @@ Protocol choices:
   planes that only speak it.
 * A response that cannot be turned into a view is NACKed with the reason in
   ``error_detail``, and the previous view is kept (as Envoy does).
+* Plaintext by default (the control plane on loopback); with ``tls`` the
+  channel is mutual TLS: ext_proc presents its certificate and checks the
+  control plane's against the given CA and name.
 * Reconnects use full-jitter exponential backoff, bounded (0.25 s -> 5 s by
   default), reset after a stream that delivered a good response.
 """
@@ -43,6 +46,8 @@ from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
+
+from inferlb.runtime.tls import PemFiles
 
 from .model import EndpointInfo
 
@@ -333,6 +338,19 @@ class XdsClientSettings:
     delta: bool = True
     backoff_initial_s: float = 0.25
     backoff_max_s: float = 5.0
+    tls: PemFiles | None = None  # mTLS: our chain and key, and the CA of the control plane's certificate
+    tls_server_name: str | None = None  # the name to check in its certificate (default: the target's host)
+
+    def channel(self) -> grpc.aio.Channel:
+        options = list(_CHANNEL_OPTIONS)
+        if self.tls is None:
+            return grpc.aio.insecure_channel(self.target, options=options)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.tls.trusted_ca,
+                                                   private_key=self.tls.private_key,
+                                                   certificate_chain=self.tls.certificate_chain)
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return grpc.aio.secure_channel(self.target, credentials, options=options)
 
 
 def backoff_delays(initial: float, maximum: float, rng: random.Random) -> Callable[[int], float]:
@@ -389,7 +407,7 @@ class XdsClient:
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
         if self._task is None:
-            self._channel = grpc.aio.insecure_channel(self.settings.target, options=list(_CHANNEL_OPTIONS))
+            self._channel = self.settings.channel()
             self._task = asyncio.create_task(self._run(), name="xds-client")
 
     async def stop(self) -> None:
@@ -413,6 +431,7 @@ class XdsClient:
     async def _run(self) -> None:
         attempt = 0
         mode = "delta" if self.settings.delta else "sotw"
+        reported = None  # the last failure said at WARNING: a refusal or a TLS error is seen, not repeated
         while True:
             self._got_response = False
             self._connected_at = 0.0
@@ -436,6 +455,11 @@ class XdsClient:
             lived = time.monotonic() - self._connected_at if self._connected_at else 0.0
             attempt = 0 if self._got_response or lived >= self.settings.backoff_max_s else attempt + 1
             delay = self._delay(attempt)
+            if self._got_response:
+                reported = None
+            elif reason not in (reported, "stream ended"):  # e.g. PERMISSION_DENIED, a TLS handshake failure
+                log.warning("xds stream failed", extra={"target": self.settings.target, "reason": reason})
+                reported = reason
             log.debug("xds reconnecting", extra={"in_s": round(delay, 3), "attempt": attempt, "reason": reason})
             await asyncio.sleep(delay)
 

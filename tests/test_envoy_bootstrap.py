@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+import yaml
 from google.protobuf import json_format, struct_pb2
 
 from control_plane import type_urls
@@ -44,6 +45,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from inferlb.bootstrap import DEFAULT_TEMPLATE, render_bootstrap
 
+from .certs import Pki
 from .conftest import free_port, stop_process, wait_until
 
 PICK = "x-gateway-destination-endpoint"
@@ -134,6 +136,43 @@ def test_bootstrap_with_a_host_name_and_odd_node_id_validates(tmp_path: Path) ->
     config = tmp_path / "bootstrap.yaml"
     config.write_text(text)
     validate(config)
+
+
+def _xds_cluster(text: str) -> dict:
+    return next(c for c in yaml.safe_load(text)["static_resources"]["clusters"] if c["name"] == "xds_cluster")
+
+
+@pytest.mark.parametrize(("address", "san_type", "sni"), [("127.0.0.1", "IP_ADDRESS", ""),
+                                                          ("control-plane", "DNS", "control-plane")])
+def test_bootstrap_with_xds_mtls_validates(tmp_path: Path, address: str, san_type: str, sni: str) -> None:
+    files = Pki(tmp_path).issue("envoy-1")
+    text = render_bootstrap(node_id="envoy-1", xds_address=address, xds_tls_cert=str(files.cert),
+                            xds_tls_key=str(files.key), xds_tls_ca=str(files.ca))
+    socket = _xds_cluster(text)["transport_socket"]
+    assert socket["name"] == "envoy.transport_sockets.tls"
+    tls = socket["typed_config"]
+    assert tls["sni"] == sni
+    common = tls["common_tls_context"]
+    assert common["alpn_protocols"] == ["h2"]
+    assert common["tls_certificates"] == [{"certificate_chain": {"filename": str(files.cert)},
+                                           "private_key": {"filename": str(files.key)}}]
+    assert common["validation_context"] == {
+        "trusted_ca": {"filename": str(files.ca)},
+        "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": address}}]}
+    config = tmp_path / "bootstrap.yaml"
+    config.write_text(text)
+    validate(config)
+
+
+def test_bootstrap_without_tls_files_is_plaintext_and_tls_takes_all_three_absolute_paths() -> None:
+    assert "transport_socket" not in _xds_cluster(render_bootstrap(node_id="n"))
+    named = render_bootstrap(node_id="n", xds_tls_cert="/c.pem", xds_tls_key="/k.pem", xds_tls_ca="/ca.pem",
+                             xds_tls_server_name="xds.example")
+    assert _xds_cluster(named)["transport_socket"]["typed_config"]["sni"] == "xds.example"
+    with pytest.raises(ValueError, match="xds_tls_key, xds_tls_ca missing"):
+        render_bootstrap(node_id="n", xds_tls_cert="/c.pem")
+    with pytest.raises(ValueError, match="xds_tls_key must be an absolute path"):
+        render_bootstrap(node_id="n", xds_tls_cert="/c.pem", xds_tls_key="k.pem", xds_tls_ca="/ca.pem")
 
 
 def test_render_is_strict(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from control_plane.controller import Controller
 from control_plane.model import Endpoint, FleetState, Health, Telemetry
 from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, PUSH_ORDER, ROUTE
 from control_plane.xds import ClientStatus, Snapshot, SnapshotCache, TypeStatus, serve_xds, stop_xds
-from control_plane.xds.server import encode_delta_response, encode_sotw_response
+from control_plane.xds.server import XdsServerSettings, encode_delta_response, encode_sotw_response
 from control_plane.xds.snapshot import Encoded
 from tests.conftest import free_port
 from tests.xds_client import DeltaClient, Received, SotwClient
@@ -99,9 +99,10 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
 
 
 @asynccontextmanager
-async def xds_server(cache: SnapshotCache, metrics: object = None) -> AsyncIterator[str]:
+async def xds_server(cache: SnapshotCache, metrics: object = None,
+                     settings: XdsServerSettings | None = None) -> AsyncIterator[str]:
     address = f"127.0.0.1:{free_port()}"
-    server = await serve_xds(cache, address, metrics)  # type: ignore[arg-type]
+    server = await serve_xds(cache, address, metrics, settings)  # type: ignore[arg-type]
     try:
         yield address
     finally:
@@ -150,6 +151,7 @@ class RecordingMetrics:
     def __init__(self) -> None:
         self.events: list[tuple[str, str]] = []
         self.push_seconds: list[float] = []
+        self.backpressure = 0
 
     def on_connect(self, mode: str) -> None:
         self.events.append(("connect", mode))
@@ -166,6 +168,12 @@ class RecordingMetrics:
 
     def on_nack(self, type_url: str) -> None:
         self.events.append(("nack", type_url))
+
+    def on_refused(self, reason: str) -> None:
+        self.events.append(("refused", reason))
+
+    def on_backpressure(self) -> None:
+        self.backpressure += 1
 
 
 # -- snapshot --------------------------------------------------------------------------------

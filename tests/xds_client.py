@@ -106,6 +106,7 @@ class _AdsClient:
         self.sent: list[tuple[int, Message]] = []
         self.ended = False
         self.code: grpc.StatusCode | None = None
+        self.details: str | None = None  # the status message the stream ended with
         self._seq = itertools.count()
         self._changed = asyncio.Condition()
         self._write_lock = asyncio.Lock()
@@ -172,6 +173,7 @@ class _AdsClient:
             self.ended = True
             try:
                 self.code = await self._call.code()
+                self.details = await self._call.details()
             except (grpc.aio.AioRpcError, asyncio.CancelledError):
                 self.code = grpc.StatusCode.CANCELLED
             async with self._changed:

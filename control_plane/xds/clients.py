@@ -62,6 +62,10 @@ class XdsMetrics(Protocol):
         """A response went out; ``seconds`` from the change (or request) that made it due."""
     def on_ack(self, type_url: str) -> None: ...
     def on_nack(self, type_url: str) -> None: ...
+    def on_refused(self, reason: str) -> None:
+        """A stream was refused before it was served (``reason``: node_cluster, node_streams)."""
+    def on_backpressure(self) -> None:
+        """A stream's reader paused: its inbound buffer was full (a client sending faster than it is served)."""
 
 
 class NoopMetrics:
@@ -80,6 +84,12 @@ class NoopMetrics:
         pass
 
     def on_nack(self, type_url: str) -> None:
+        pass
+
+    def on_refused(self, reason: str) -> None:
+        pass
+
+    def on_backpressure(self) -> None:
         pass
 
 

@@ -41,6 +41,25 @@ Protocol decisions (Envoy's "xDS REST and gRPC protocol" document is the spec):
   SotW EDS/RDS responses carry only the requested names that are new or
   changed for this client (the spec allows it for these types).
 
+Who may connect, and how much one client may take (``XdsServerSettings``):
+
+* Only nodes whose ``node.cluster`` is in ``allowed_node_clusters`` are served;
+  any other stream ends at its first request with PERMISSION_DENIED naming the
+  cluster and the allowed ones (logged, counted as refused{reason=node_cluster}).
+  The node is self-declared: with mTLS, only holders of a certificate from the
+  client CA get that far.
+* mTLS (``tls``: the server's chain and key, the CA that signs the clients;
+  client certificates required), else plaintext (the local default, loopback).
+* Bounds: connections (``grpc.max_allowed_incoming_connections``), streams per
+  connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: an excess stream is reset
+  with REFUSED_STREAM), streams in all (RESOURCE_EXHAUSTED), streams per node id
+  (RESOURCE_EXHAUSTED, refused{reason=node_streams}), request size, and requests
+  buffered per stream (``_Inbox``: backpressure, never an unbounded queue).
+* Keepalive: the server pings every connection (streams idle for long between
+  pushes included) and drops one that does not answer, so a vanished client
+  frees its stream; clients may ping every ``min_client_ping_interval_s``
+  (Envoy's bootstrap and ext_proc ping every 30 s).
+
 Responses go out pre-serialised: each resource's ``resources`` entry is
 encoded once per snapshot (``VersionedResource.sotw_entry``/``delta_entry``)
 and a response is those entries framed by the per-stream fields, in field
@@ -57,10 +76,12 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Generic, Iterable, Mapping, TypeVar
+from typing import AsyncIterator, Generic, Iterable, Mapping, NoReturn, TypeVar
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+
+from inferlb.runtime.tls import PemFiles
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf.message import Message
 
@@ -74,6 +95,48 @@ LOG = logging.getLogger(__name__)
 FULL_STATE_TYPES = frozenset({CLUSTER, LISTENER})  # SotW responses carry the whole set; wildcard allowed
 HELD_TYPES = frozenset({LISTENER, ROUTE})  # held until every GATING_TYPES type is settled
 GATING_TYPES = (CLUSTER, ENDPOINT)
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class XdsServerSettings:
+    """Who the ADS server serves and how much it lets one client take. The defaults suit a local
+    stack; the control plane sets every field from its config (``ControlPlaneConfig.xds_server_settings``)."""
+
+    # None: every node (a library default; the control plane always passes its allowlist).
+    allowed_node_clusters: frozenset[str] | None = None
+    tls: PemFiles | None = None  # mutual TLS: chain, key and the CA of the clients; None: plaintext
+    keepalive_time_s: float = 30.0  # the server pings each connection this often ...
+    keepalive_timeout_s: float = 10.0  # ... and closes it when the ping is not answered within this
+    min_client_ping_interval_s: float = 10.0  # clients pinging more often than this are told to calm down
+    max_connections: int = 1024
+    max_concurrent_streams: int = 16  # per HTTP/2 connection (Envoy and ext_proc use one)
+    max_streams: int = 4096  # in all
+    max_streams_per_node: int = 4  # one node id (a reconnect may overlap its dying predecessor)
+    max_request_bytes: int = 1 * MIB
+    inbound_buffer: int = 8  # requests read and not yet handled, per stream
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", -1),
+            ("grpc.max_receive_message_length", self.max_request_bytes),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            ("grpc.max_allowed_incoming_connections", self.max_connections),
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            # gRPC 1.85 times out an unanswered keepalive PING by this one (default 60 s), not by the above.
+            ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            # Keep pinging a stream that has had no push for a while: that is how a dead client is found.
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.min_client_ping_interval_s * 1000)),
+        ]
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if self.tls is None:
+            return None
+        return grpc.ssl_server_credentials([(self.tls.private_key, self.tls.certificate_chain)],
+                                           root_certificates=self.tls.trusted_ca, require_client_auth=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -534,19 +597,73 @@ class _Session:
     closed: bool = False
 
 
-async def _pump(requests: AsyncIterator[Message], inbox: collections.deque, wake: asyncio.Event) -> None:
-    """Move requests into the inbox; ``None`` marks the end of the client's side."""
+class _Inbox:
+    """The requests one stream has read and not yet handled: at most ``limit`` (backpressure).
+
+    Why a bound with backpressure rather than coalescing: SotW requests of one type supersede each
+    other's subscription, but each may also ACK or NACK a nonce, and Delta requests are increments
+    (subscribe, unsubscribe), so dropping or merging any would change what the client is owed. When
+    the buffer is full the reader stops reading; gRPC then stops granting HTTP/2 flow-control window
+    and the client's writes wait. A client that floods requests without reading its responses stalls
+    only its own stream, holding at most ``limit`` requests (each at most ``max_request_bytes``) plus
+    the transport's window; every request it sent is still handled, in order.
+    """
+
+    __slots__ = ("_items", "_limit", "_wake", "_space")
+
+    def __init__(self, limit: int, wake: asyncio.Event) -> None:
+        self._items: collections.deque[Message | None] = collections.deque()
+        self._limit = limit
+        self._wake = wake
+        self._space = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def full(self) -> bool:
+        return len(self._items) >= self._limit
+
+    async def put(self, request: Message) -> None:
+        """Queue ``request``, first waiting for room."""
+        while self.full:
+            self._space.clear()
+            await self._space.wait()
+        self._items.append(request)
+        self._wake.set()
+
+    def close(self) -> None:
+        """The client's side ended (``None`` marks it; never waits: the reader is finishing)."""
+        self._items.append(None)
+        self._wake.set()
+
+    def take(self) -> Message | None:
+        item = self._items.popleft()
+        self._space.set()
+        return item
+
+
+async def _pump(requests: AsyncIterator[Message], inbox: _Inbox, metrics: XdsMetrics) -> None:
+    """Move requests into the inbox, pausing while it is full; then mark the end of the client's side."""
     try:
         async for request in requests:
-            inbox.append(request)
-            wake.set()
+            if inbox.full:
+                metrics.on_backpressure()  # counted as the pause begins: it may last as long as the client likes
+            await inbox.put(request)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # the client went away mid-read
         LOG.debug("request stream ended: %r", exc)
     finally:
-        inbox.append(None)
-        wake.set()
+        inbox.close()
+
+
+class _Refused(Exception):
+    """A stream the server will not serve: the status and message it ends with."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
 
 
 class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -556,10 +673,13 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
     :func:`add_to_server`, not the generated ``add_..._to_server``.
     """
 
-    def __init__(self, cache: SnapshotCache, metrics: XdsMetrics | None = None) -> None:
+    def __init__(self, cache: SnapshotCache, metrics: XdsMetrics | None = None,
+                 settings: XdsServerSettings | None = None) -> None:
         self._cache = cache
         self._metrics: XdsMetrics = metrics if metrics is not None else NoopMetrics()
+        self._settings = settings if settings is not None else XdsServerSettings()
         self._stream_ids = itertools.count(1)
+        self._streams_per_node: collections.Counter[str] = collections.Counter()
 
     async def StreamAggregatedResources(self, request_iterator, context):  # type: ignore[override]
         async for response in self._serve(_SotwProtocol, request_iterator, context):
@@ -572,8 +692,8 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
     async def _serve(self, protocol_type: type[_Protocol], requests: AsyncIterator[Message],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         wake = asyncio.Event()
-        inbox: collections.deque = collections.deque()
-        reader = asyncio.create_task(_pump(requests, inbox, wake))
+        inbox = _Inbox(self._settings.inbound_buffer, wake)
+        reader = asyncio.create_task(_pump(requests, inbox, self._metrics))
         session: _Session | None = None
         try:
             while True:
@@ -581,11 +701,14 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
                 wake.clear()
                 woke_at = time.monotonic()
                 while inbox:
-                    request = inbox.popleft()
+                    request = inbox.take()
                     if request is None:
                         return  # the client half-closed: nothing more to say
                     if session is None:
-                        session = self._open(protocol_type, request, context, wake)
+                        try:
+                            session = self._open(protocol_type, request, context, wake)
+                        except _Refused as refused:
+                            await self._refuse(refused, request, protocol_type.mode, context)
                     session.protocol.handle(request)
                 if session is None:
                     continue
@@ -604,12 +727,36 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
             if session is not None:
                 self._close(session)
 
+    def _admit(self, node: base_pb2.Node) -> None:
+        """Raise :class:`_Refused` unless this node may open one more stream."""
+        allowed = self._settings.allowed_node_clusters
+        if allowed is not None and node.cluster not in allowed:
+            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, "node_cluster",
+                           f"xDS node cluster {node.cluster!r} is not allowed (node id {node.id!r}); "
+                           f"allowed: {', '.join(sorted(allowed))}")
+        limit = self._settings.max_streams_per_node
+        if self._streams_per_node[node.id] >= limit:
+            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "node_streams",
+                           f"xDS node {node.id!r} already has {limit} streams open (max_streams_per_node)")
+
+    async def _refuse(self, refused: _Refused, request: Message, mode: Mode,
+                      context: grpc.aio.ServicerContext) -> NoReturn:
+        node: base_pb2.Node = request.node  # type: ignore[attr-defined]
+        self._metrics.on_refused(refused.reason)
+        LOG.warning("xDS client refused: %s", refused.message, extra={
+            "xds_event": "refused", "reason": refused.reason, "node_id": node.id, "node_cluster": node.cluster,
+            "mode": mode, "peer": context.peer()})
+        await context.abort(refused.code, refused.message)
+        raise AssertionError("context.abort returned")  # it raises; this keeps the type NoReturn honest
+
     def _open(self, protocol_type: type[_Protocol], request: Message, context: grpc.aio.ServicerContext,
               wake: asyncio.Event) -> _Session:
         node: base_pb2.Node = request.node  # type: ignore[attr-defined]
+        self._admit(node)
         group = self._cache.group_of(node)
         record = StreamRecord(next(self._stream_ids), node.id, node.cluster, group, protocol_type.mode)
         session = _Session(protocol_type(record, self._cache, self._metrics), self._cache.watch(record, wake))
+        self._streams_per_node[node.id] += 1
         # The generator's finally may run late if gRPC drops it mid-yield; this runs when the RPC ends.
         context.add_done_callback(lambda _context: self._close(session))
         self._metrics.on_connect(record.mode)
@@ -623,6 +770,9 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
         session.closed = True
         self._cache.unwatch(session.watch)
         record = session.protocol.record
+        self._streams_per_node[record.node_id] -= 1
+        if self._streams_per_node[record.node_id] <= 0:
+            del self._streams_per_node[record.node_id]
         self._metrics.on_disconnect(record.mode)
         LOG.info("xDS client %s disconnected (%s)", record.node_id, record.mode,
                  extra=_log_extra(record, "disconnect"))
@@ -653,20 +803,26 @@ def add_to_server(servicer: AggregatedDiscoveryServer, server: grpc.aio.Server) 
 
 
 async def serve_xds(cache: SnapshotCache, address: str = "127.0.0.1:18000",
-                    metrics: XdsMetrics | None = None) -> grpc.aio.Server:
+                    metrics: XdsMetrics | None = None, settings: XdsServerSettings | None = None) -> grpc.aio.Server:
     """Start the ADS server on ``address`` and return it (already serving).
 
-    Stop it with :func:`stop_xds`, which ends the streams first so that
-    clients reconnect at once instead of after the grace period.
+    With ``settings.tls``: mutual TLS only (a client without a certificate from the CA fails the
+    handshake). Stop it with :func:`stop_xds`, which ends the streams first so that clients
+    reconnect at once instead of after the grace period.
     """
-    server = grpc.aio.server(options=[
-        ("grpc.max_send_message_length", -1),
-        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-    ])
-    add_to_server(AggregatedDiscoveryServer(cache, metrics), server)
-    port = server.add_insecure_port(address)
+    settings = settings if settings is not None else XdsServerSettings()
+    server = grpc.aio.server(options=settings.grpc_options(), maximum_concurrent_rpcs=settings.max_streams)
+    add_to_server(AggregatedDiscoveryServer(cache, metrics, settings), server)
+    credentials = settings.credentials()
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
     await server.start()
-    LOG.info("xDS server listening on %s", address, extra={"xds_event": "listen", "address": address, "port": port})
+    LOG.info("xDS server listening on %s (%s)", address, "mTLS" if credentials is not None else "plaintext",
+             extra={"xds_event": "listen", "address": address, "port": port, "mtls": credentials is not None,
+                    "allowed_node_clusters": sorted(settings.allowed_node_clusters)
+                    if settings.allowed_node_clusters is not None else None})
     return server
 
 
