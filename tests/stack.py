@@ -26,7 +26,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -322,8 +322,10 @@ def running_envoy(
     delta: bool = False,
     admin_port: int | None = None,
     timeout: float = 30,
+    bootstrap: Mapping[str, Any] | None = None,
 ) -> Iterator[Envoy]:
-    """Envoy on the rendered bootstrap (``render_bootstrap``), ADS to 127.0.0.1:``xds_port``.
+    """Envoy on the rendered bootstrap (``render_bootstrap``, with ``bootstrap``'s extra arguments, e.g.
+    the ``xds_tls_*`` files), ADS to 127.0.0.1:``xds_port``.
 
     Ready when the admin ``/ready`` says LIVE: the first CDS and LDS responses
     are in (initialisation waits for them).
@@ -331,7 +333,7 @@ def running_envoy(
     admin_port = admin_port or free_port()
     config = log_dir / f"envoy-{node_id}-bootstrap.yaml"
     config.write_text(render_bootstrap(node_id=node_id, node_cluster=node_cluster, xds_port=xds_port,
-                                       admin_port=admin_port, delta=delta))
+                                       admin_port=admin_port, delta=delta, **(bootstrap or {})))
     proc = launch(f"envoy-{node_id}", [envoy_binary(), "-c", str(config), "--disable-hot-restart",
                                        "--concurrency", "1", "-l", "warn"], log_dir)
     with supervised(proc, stop_timeout=10):

@@ -44,6 +44,7 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import http_con
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from inferlb.bootstrap import DEFAULT_TEMPLATE, render_bootstrap
+from inferlb.bootstrap import main as bootstrap_main
 
 from .certs import Pki
 from .conftest import free_port, stop_process, wait_until
@@ -164,7 +165,8 @@ def test_bootstrap_with_xds_mtls_validates(tmp_path: Path, address: str, san_typ
     validate(config)
 
 
-def test_bootstrap_without_tls_files_is_plaintext_and_tls_takes_all_three_absolute_paths() -> None:
+def test_bootstrap_without_tls_files_is_plaintext_and_tls_takes_all_three_absolute_paths(
+        capsys: pytest.CaptureFixture[str]) -> None:
     assert "transport_socket" not in _xds_cluster(render_bootstrap(node_id="n"))
     named = render_bootstrap(node_id="n", xds_tls_cert="/c.pem", xds_tls_key="/k.pem", xds_tls_ca="/ca.pem",
                              xds_tls_server_name="xds.example")
@@ -173,6 +175,10 @@ def test_bootstrap_without_tls_files_is_plaintext_and_tls_takes_all_three_absolu
         render_bootstrap(node_id="n", xds_tls_cert="/c.pem")
     with pytest.raises(ValueError, match="xds_tls_key must be an absolute path"):
         render_bootstrap(node_id="n", xds_tls_cert="/c.pem", xds_tls_key="k.pem", xds_tls_ca="/ca.pem")
+    flags = ["--node-id", "n", "--xds-tls-cert", "/c.pem", "--xds-tls-key", "/k.pem", "--xds-tls-ca", "/ca.pem",
+             "--xds-tls-server-name", "xds.example"]
+    assert bootstrap_main(flags) == 0
+    assert capsys.readouterr().out.endswith(named)  # the command line renders the same, after its header
 
 
 def test_render_is_strict(tmp_path: Path) -> None:
