@@ -80,10 +80,10 @@ from typing import AsyncIterator, Generic, Iterable, Mapping, NoReturn, TypeVar
 
 import grpc
 from envoy.config.core.v3 import base_pb2
-
-from inferlb.runtime.tls import PemFiles
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf.message import Message
+
+from inferlb.runtime.tls import PemFiles
 
 from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, PUSH_ORDER, ROUTE, SHORT_NAMES
 from control_plane.xds.cache import SnapshotCache, Watch
@@ -101,7 +101,7 @@ MIB = 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class XdsServerSettings:
     """Who the ADS server serves and how much it lets one client take. The defaults suit a local
-    stack; the control plane sets every field from its config (``ControlPlaneConfig.xds_server_settings``)."""
+    stack; the control plane sets every field from its config (``control_plane.serving.xds_server_settings``)."""
 
     # None: every node (a library default; the control plane always passes its allowlist).
     allowed_node_clusters: frozenset[str] | None = None
@@ -658,12 +658,13 @@ async def _pump(requests: AsyncIterator[Message], inbox: _Inbox, metrics: XdsMet
         inbox.close()
 
 
-class _Refused(Exception):
-    """A stream the server will not serve: the status and message it ends with."""
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    """Why the server will not serve a stream: the status it ends with, the metric's reason, the message."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
+    code: grpc.StatusCode
+    reason: str
+    message: str
 
 
 class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
@@ -705,10 +706,10 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
                     if request is None:
                         return  # the client half-closed: nothing more to say
                     if session is None:
-                        try:
-                            session = self._open(protocol_type, request, context, wake)
-                        except _Refused as refused:
-                            await self._refuse(refused, request, protocol_type.mode, context)
+                        refusal = self._refusal(request.node)  # type: ignore[attr-defined]
+                        if refusal is not None:
+                            await self._refuse(refusal, request, protocol_type.mode, context)
+                        session = self._open(protocol_type, request, context, wake)
                     session.protocol.handle(request)
                 if session is None:
                     continue
@@ -727,32 +728,32 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
             if session is not None:
                 self._close(session)
 
-    def _admit(self, node: base_pb2.Node) -> None:
-        """Raise :class:`_Refused` unless this node may open one more stream."""
+    def _refusal(self, node: base_pb2.Node) -> _Refusal | None:
+        """Why this node may not open one more stream, or None."""
         allowed = self._settings.allowed_node_clusters
         if allowed is not None and node.cluster not in allowed:
-            raise _Refused(grpc.StatusCode.PERMISSION_DENIED, "node_cluster",
-                           f"xDS node cluster {node.cluster!r} is not allowed (node id {node.id!r}); "
-                           f"allowed: {', '.join(sorted(allowed))}")
+            return _Refusal(grpc.StatusCode.PERMISSION_DENIED, "node_cluster",
+                            f"xDS node cluster {node.cluster!r} is not allowed (node id {node.id!r}); "
+                            f"allowed: {', '.join(sorted(allowed))}")
         limit = self._settings.max_streams_per_node
         if self._streams_per_node[node.id] >= limit:
-            raise _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "node_streams",
-                           f"xDS node {node.id!r} already has {limit} streams open (max_streams_per_node)")
+            return _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "node_streams",
+                            f"xDS node {node.id!r} already has {limit} streams open (max_streams_per_node)")
+        return None
 
-    async def _refuse(self, refused: _Refused, request: Message, mode: Mode,
+    async def _refuse(self, refusal: _Refusal, request: Message, mode: Mode,
                       context: grpc.aio.ServicerContext) -> NoReturn:
+        """Log and count the refusal, then end the stream with its status (``abort`` raises)."""
         node: base_pb2.Node = request.node  # type: ignore[attr-defined]
-        self._metrics.on_refused(refused.reason)
-        LOG.warning("xDS client refused: %s", refused.message, extra={
-            "xds_event": "refused", "reason": refused.reason, "node_id": node.id, "node_cluster": node.cluster,
+        self._metrics.on_refused(refusal.reason)
+        LOG.warning("xDS client refused: %s", refusal.message, extra={
+            "xds_event": "refused", "reason": refusal.reason, "node_id": node.id, "node_cluster": node.cluster,
             "mode": mode, "peer": context.peer()})
-        await context.abort(refused.code, refused.message)
-        raise AssertionError("context.abort returned")  # it raises; this keeps the type NoReturn honest
+        await context.abort(refusal.code, refusal.message)
 
     def _open(self, protocol_type: type[_Protocol], request: Message, context: grpc.aio.ServicerContext,
               wake: asyncio.Event) -> _Session:
         node: base_pb2.Node = request.node  # type: ignore[attr-defined]
-        self._admit(node)
         group = self._cache.group_of(node)
         record = StreamRecord(next(self._stream_ids), node.id, node.cluster, group, protocol_type.mode)
         session = _Session(protocol_type(record, self._cache, self._metrics), self._cache.watch(record, wake))
