@@ -88,13 +88,13 @@ class ControlPlaneMetrics:
         self.xds_refused = Counter(
             "inferlb_cp_xds_refused",
             "xDS streams refused at their first request, by reason (node_cluster: not in "
-            "xds_allowed_node_clusters, PERMISSION_DENIED; node_streams: over xds_max_streams_per_node).",
+            "xds_allowed_node_clusters, PERMISSION_DENIED; node_streams: over xds_limits.max_streams_per_node).",
             ["reason"], registry=r)
         for reason in ("node_cluster", "node_streams"):  # exported at 0 from the start
             self.xds_refused.labels(reason=reason)
         self.xds_backpressure = Counter(
             "inferlb_cp_xds_backpressure",
-            "Times an xDS stream's reader paused because its inbound buffer (xds_inbound_buffer) was full.",
+            "Times an xDS stream's reader paused because its inbound buffer (xds_limits.inbound_buffer) was full.",
             registry=r)
         self.scrapes = Counter("inferlb_cp_scrapes", "Worker scrapes.", ["endpoint", "result"], registry=r)
         self.scrape_duration = Histogram(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import socket
 from pathlib import Path
 from typing import Iterator
@@ -27,10 +28,14 @@ from hyperframe.frame import (
     RstStreamFrame,
     SettingsFrame,
 )
+from pydantic import ValidationError
 
+from control_plane.config import ENVOY_NODE_CLUSTER, ControlPlaneConfig
 from control_plane.type_urls import CLUSTER, ROUTE
 from control_plane.xds import SnapshotCache
 from control_plane.xds.server import XdsServerSettings
+from ext_proc.config import ExtProcConfig
+from inferlb.bootstrap import render_bootstrap
 from tests.certs import Pki
 from tests.test_xds_server import (
     TIMEOUT,
@@ -90,6 +95,19 @@ def test_a_node_without_a_cluster_is_refused_when_an_allowlist_is_set() -> None:
             assert client.code == grpc.StatusCode.PERMISSION_DENIED
             assert "node cluster ''" in (client.details or "")
     run(scenario)
+
+
+def test_the_default_allowlist_is_the_node_clusters_the_stack_uses() -> None:
+    """Envoy's bootstrap (``inferlb up``, Compose, Kubernetes, the tests) and ext_proc's default, and it follows
+    a moved ext_proc node cluster; a list set by the operator replaces it."""
+    envoy_default = inspect.signature(render_bootstrap).parameters["node_cluster"].default
+    assert ControlPlaneConfig().allowed_node_clusters == {ENVOY_NODE_CLUSTER, ExtProcConfig().node_cluster}
+    assert envoy_default == ENVOY_NODE_CLUSTER
+    moved = ControlPlaneConfig(data_plane={"ext_proc_node_cluster": "pickers"})
+    assert moved.allowed_node_clusters == {"inferlb", "pickers"}
+    assert ControlPlaneConfig(xds_allowed_node_clusters="edge-a, edge-b").allowed_node_clusters == {"edge-a", "edge-b"}
+    with pytest.raises(ValidationError, match="at least one non-empty node cluster"):
+        ControlPlaneConfig(xds_allowed_node_clusters=[])
 
 
 # -- stream caps -----------------------------------------------------------------------------
