@@ -94,6 +94,7 @@ from control_plane.controller import Controller  # noqa: E402
 from control_plane.model import DataPlaneSettings, Endpoint, FleetState, Telemetry  # noqa: E402
 from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, PUSH_ORDER, ROUTE, SHORT_NAMES  # noqa: E402
 from control_plane.xds import Snapshot, SnapshotCache, serve_xds, stop_xds  # noqa: E402
+from control_plane.xds.clients import NoopMetrics  # noqa: E402
 from inferlb.bootstrap import render_bootstrap  # noqa: E402
 
 CONV_TARGET_MS = 1000.0  # 10,000 endpoints x 50 clients
@@ -183,8 +184,8 @@ class BenchCache(SnapshotCache):
         super().set_default_snapshot(snapshot)
 
 
-class Watcher:
-    """The server's XdsMetrics hook: stamps the moment every client has ACKed a target EDS version."""
+class Watcher(NoopMetrics):
+    """The server's XdsMetrics hook (the hooks it does not need are NoopMetrics'): stamps the moment every client has ACKed a target EDS version."""
 
     def __init__(self, cache: SnapshotCache, expected: int) -> None:
         self.cache = cache
