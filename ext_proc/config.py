@@ -3,7 +3,7 @@
 
 pydantic-settings merges and validates, so a bad value is refused at start-up
 with the field's name, never half-applied. The defaults are the contract table
-of DESIGN.md (gRPC on 127.0.0.1:9002, metrics on :9090, ADS at :18000).
+of docs/design.md (gRPC on 127.0.0.1:9002, metrics on :9090, ADS at :18000).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ DATAPLANES = ("envoy", "nginx")
 
 @dataclass(frozen=True)
 class StackPorts:
-    """The contract's ports (DESIGN.md); every one can be moved, e.g. to run a second stack."""
+    """The contract's ports (docs/design.md); every one can be moved, e.g. to run a second stack."""
 
     listener: int = 10000
     envoy_admin: int = 9901
