@@ -7,7 +7,6 @@ answers cannot drift apart.
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,7 +19,7 @@ from pydantic import (
     model_validator,
 )
 
-from .model import MAX_WEIGHT, MIN_WEIGHT
+from .model import MAX_WEIGHT, MIN_WEIGHT, normalise_address
 
 
 def _integral(value: Any) -> Any:
@@ -54,18 +53,6 @@ class ErrorResponse(BaseModel):
 
 
 # --- endpoints -------------------------------------------------------------------------------------
-
-
-def normalise_address(value: str) -> str:
-    """An IPv4 or IPv6 literal, in canonical form. Envoy's EDS takes IP addresses only: a hostname
-    would be NACKed and hold back every later update, so it is refused here."""
-    try:
-        ip = ipaddress.ip_address(value.strip().strip("[]"))
-    except ValueError:
-        raise ValueError("must be an IPv4 or IPv6 address (EDS does not resolve hostnames)") from None
-    if ip.is_unspecified or ip.is_multicast or (ip.version == 4 and ip == ipaddress.IPv4Address("255.255.255.255")):
-        raise ValueError("must be a unicast address (not unspecified, multicast or broadcast)")
-    return str(ip)
 
 
 class EndpointCreate(_Request):

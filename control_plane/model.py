@@ -9,14 +9,34 @@ policy can never change under them.
 from __future__ import annotations
 
 import enum
+import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
+
+from inferlb.runtime.hostport import endpoint_id
 
 EndpointSource = Literal["static", "api", "kubernetes", "dns"]
 
 MIN_WEIGHT = 1
 MAX_WEIGHT = 1000
 DEFAULT_WEIGHT = 100
+
+
+def normalise_address(value: str) -> str:
+    """An IPv4 or IPv6 literal, in canonical form; ``ValueError`` saying why not.
+
+    The one check for every way an endpoint enters the fleet (admin API,
+    DNS, EndpointSlices): Envoy's EDS takes IP addresses only, and one
+    hostname would get the whole ClusterLoadAssignment NACKed by Envoy and
+    refused by ext_proc, holding back every later update.
+    """
+    try:
+        ip = ipaddress.ip_address(value.strip().strip("[]"))
+    except ValueError:
+        raise ValueError("must be an IPv4 or IPv6 address (EDS does not resolve hostnames)") from None
+    if ip.is_unspecified or ip.is_multicast or (ip.version == 4 and ip == ipaddress.IPv4Address("255.255.255.255")):
+        raise ValueError("must be a unicast address (not unspecified, multicast or broadcast)")
+    return str(ip)
 
 
 class Health(enum.Enum):
@@ -64,7 +84,7 @@ class Endpoint:
 
     @property
     def id(self) -> str:
-        return f"{self.address}:{self.port}"
+        return endpoint_id(self.address, self.port)
 
     @property
     def effective_weight(self) -> int:

@@ -202,3 +202,33 @@ def test_control_plane_discovers_a_worker_by_name(tmp_path: Path) -> None:
                                     headers={"Authorization": f"Bearer {token}"})
             assert refused.status_code == 409
             assert refused.json()["error"]["detail"]["source"] == "dns"
+
+
+# --- only IP literals are published ------------------------------------------------------------------
+
+
+def test_a_resolver_answer_that_is_not_a_unicast_ip_is_skipped(caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever a resolver returns (0.0.0.0 from /etc/hosts, multicast, a plug-in's garbage), only unicast IP
+    literals reach EDS; the name's other addresses and the other names still do."""
+    answers = {"workers": ("10.0.0.7", "0.0.0.0", "not-an-ip", "0:0:0:0:0:0:0:1"), "other": ("239.1.2.3",)}
+
+    async def resolver(host: str, port: int) -> tuple[str, ...]:
+        return answers[host]
+
+    provider = DnsProvider([("workers", 8101), ("other", 8101)], resolver=resolver)
+    last: dict[tuple[str, int], tuple[str, ...]] = {}
+    with caplog.at_level("WARNING", logger="control_plane.discovery.model"):
+        update, failed = asyncio.run(provider.resolve_round(last))
+        again, _ = asyncio.run(provider.resolve_round(last))
+    assert not failed and isinstance(update, DiscoverySnapshot) and update == again
+    assert [e.id for e in update.endpoints] == ["10.0.0.7:8101", "::1:8101"]  # canonical, as the admin API stores
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1  # logged when the refused set changes, not every round
+    assert refusals[0].refused == ["0.0.0.0", "239.1.2.3", "not-an-ip"]  # type: ignore[attr-defined]
+
+
+def test_a_discovered_endpoint_is_an_ip_literal_with_a_port() -> None:
+    assert DiscoveredEndpoint("[fd00:0::1]", 80).id == "fd00::1:80"
+    for address, port in (("worker-0", 80), ("", 80), ("10.0.0.1", 0), ("10.0.0.1", 70000)):
+        with pytest.raises(ValueError):
+            DiscoveredEndpoint(address, port)

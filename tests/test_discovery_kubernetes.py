@@ -15,6 +15,7 @@ from control_plane.discovery.backoff import Backoff
 from control_plane.discovery.endpointslices import (
     apply_event,
     endpoints_from_slices,
+    read_slices,
     readiness,
     slice_port,
 )
@@ -257,3 +258,56 @@ def test_an_unreadable_kubeconfig_stops_the_control_plane_with_a_clear_error(tmp
                if '"component failed"' in line]
     assert failure and failure[0]["task"] == "discovery-kubernetes"
     assert "kube-config" in failure[0]["error"]
+
+
+# --- only IP literals are published ------------------------------------------------------------------
+
+
+def _ip_slice(name: str, version: int, addresses: list[str], address_type: str = "IPv4") -> dict[str, Any]:
+    return {"kind": "EndpointSlice", "apiVersion": "discovery.k8s.io/v1",
+            "metadata": {"name": name, "namespace": "inferlb", "resourceVersion": str(version),
+                         "labels": {"kubernetes.io/service-name": "inferlb-worker"}},
+            "addressType": address_type, "ports": [{"name": "http", "port": 8101, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [a], "conditions": {"ready": True}} for a in addresses]}
+
+
+def test_a_hostname_in_a_slice_is_skipped_and_the_rest_published() -> None:
+    mixed = _slice("s", [_ep("127.0.0.2"), _ep("worker-0.example.internal"), _ep("[::1]"), _ep("not an ip"),
+                         _ep("0.0.0.0")])
+    endpoints, refused = read_slices([mixed], "http")
+    assert [e.id for e in endpoints] == ["127.0.0.2:8101", "::1:8101"]
+    assert refused == {"worker-0.example.internal", "not an ip", "0.0.0.0"}
+    assert endpoints_from_slices([mixed], "http") == endpoints
+
+
+def test_a_hostname_in_an_endpointslice_does_not_freeze_envoy(tmp_path: Path) -> None:
+    """Before: the hostname went into EDS; Envoy NACKed the ClusterLoadAssignment (and ext_proc refused it), so
+    neither the IP beside it nor any later change reached Envoy. Now the hostname is skipped."""
+    fixture = {
+        "namespace": "inferlb",
+        "list": {"resourceVersion": "2000", "items": [
+            _ip_slice("inferlb-worker-mixed", 2000, ["127.0.0.2", "worker-0.example.internal"]),
+            _ip_slice("inferlb-worker-fqdn", 2000, ["worker-1.example.internal"], "FQDN"),
+        ]},
+        "phases": [{"name": "a second pod", "events": [{"type": "MODIFIED", "object": _ip_slice(
+            "inferlb-worker-mixed", 2001, ["127.0.0.2", "worker-0.example.internal", "127.0.0.3"])}]}],
+    }
+    with ReplayedKubernetesApi(fixture) as api:
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", api.url)
+        env = {"INFERLB_CP_KUBERNETES_SERVICE": "inferlb/inferlb-worker", "INFERLB_CP_KUBERNETES_PORT": "http",
+               "INFERLB_CP_KUBERNETES_KUBECONFIG": str(kubeconfig)}
+        with running_control_plane(tmp_path, endpoints=[], env=env, scrape_interval_s=3600) as cp, \
+                running_envoy(tmp_path, xds_port=cp.xds_port) as envoy, http() as client:
+
+            def admin_ids() -> set[str]:
+                return {e["id"] for e in client.get(f"{cp.admin_url}/v1/endpoints").json()["endpoints"]}
+
+            def both(wanted: set[str]) -> bool:
+                return admin_ids() == wanted and set(envoy.hosts()) == wanted
+
+            wait_for(lambda: both({A}), 30, lambda: f"admin {admin_ids()}, envoy {envoy.hosts()}",
+                     [cp.proc, envoy.proc])
+            api.advance()
+            wait_for(lambda: both({A, B}), 30, lambda: f"admin {admin_ids()}, envoy {envoy.hosts()}",
+                     [cp.proc, envoy.proc])
+            assert (sample(cp.metrics(), "inferlb_cp_xds_nacks_total", type="eds") or 0) == 0

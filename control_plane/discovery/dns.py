@@ -5,7 +5,9 @@ resolves to every replica) and any DNS-based service discovery. Polls every
 ``interval_s`` through the system resolver (``getaddrinfo`` in the loop's
 thread pool, so it honours /etc/hosts and nsswitch like everything else on
 the host). A name that fails to resolve keeps its last known addresses and
-is retried with backoff; the other names still update.
+is retried with backoff; the other names still update. Only unicast IP
+literals are published (as the admin API takes them); anything else a
+resolver returns is skipped and logged.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .model import (
     DiscoveryFailure,
     DiscoverySnapshot,
     DiscoveryUpdate,
+    refused_note,
 )
 
 Resolver = Callable[[str, int], Awaitable[tuple[str, ...]]]
@@ -46,6 +49,7 @@ class DnsProvider:
         self.interval_s = interval_s
         self.resolver = resolver
         self.backoff = backoff or Backoff(initial_s=min(0.5, interval_s), max_s=interval_s)
+        self._refused: frozenset[str] = frozenset()  # addresses skipped last round (logged on change)
 
     async def resolve_round(self, last: dict[tuple[str, int], tuple[str, ...]]) -> tuple[DiscoveryUpdate, bool]:
         """One round: the update to report and whether it failed; ``last`` is updated in place."""
@@ -55,10 +59,16 @@ class DnsProvider:
                 last[(host, port)] = await self.resolver(host, port)
             except OSError as exc:
                 errors.append(f"{host}: {exc}")
-        endpoints = tuple(sorted({DiscoveredEndpoint(address, port)
-                                  for (_, port), addresses in last.items() for address in addresses},
-                                 key=lambda e: e.id))
-        snapshot = DiscoverySnapshot("dns", endpoints)
+        found: set[DiscoveredEndpoint] = set()
+        refused: set[str] = set()
+        for (_, port), addresses in last.items():
+            for address in addresses:
+                try:
+                    found.add(DiscoveredEndpoint(address, port))
+                except ValueError:  # 0.0.0.0 in /etc/hosts, multicast, a custom resolver's garbage
+                    refused.add(address[:256])
+        self._refused = refused_note("dns", frozenset(refused), self._refused)
+        snapshot = DiscoverySnapshot("dns", tuple(sorted(found, key=lambda e: e.id)))
         if errors:
             return DiscoveryFailure("dns", "; ".join(errors), partial=snapshot), True
         return snapshot, False

@@ -11,7 +11,9 @@ Readiness follows the EndpointSlice conditions (a missing ``ready`` or
 * anything else                  -> NOT_READY (listed, not routable)
 
 An address listed in several slices (an endpoint moving between slices
-during a resync) counts once, with its best readiness.
+during a resync) counts once, with its best readiness. Only IP literals are
+taken (as the admin API): an FQDN-type slice's hostnames or garbage are
+skipped and reported, and the slice's other addresses still count.
 """
 
 from __future__ import annotations
@@ -62,9 +64,12 @@ def slice_name(endpoint_slice: Mapping[str, Any]) -> str:
     return name
 
 
-def endpoints_from_slices(slices: Iterable[Mapping[str, Any]], port: str | None = None) -> tuple[DiscoveredEndpoint, ...]:
-    """Every address of every slice, at the slice's ``port``; deduplicated, sorted by id."""
+def read_slices(slices: Iterable[Mapping[str, Any]],
+                port: str | None = None) -> tuple[tuple[DiscoveredEndpoint, ...], frozenset[str]]:
+    """Every address of every slice, at the slice's ``port`` (deduplicated, sorted by id), and the
+    addresses refused because they are not IP literals (an FQDN slice, garbage): skipped, the rest stand."""
     best: dict[str, DiscoveredEndpoint] = {}
+    refused: set[str] = set()
     for endpoint_slice in slices:
         number = slice_port(endpoint_slice, port)
         if number is None:
@@ -72,11 +77,20 @@ def endpoints_from_slices(slices: Iterable[Mapping[str, Any]], port: str | None 
         for entry in endpoint_slice.get("endpoints") or []:
             state = readiness(entry.get("conditions"))
             for address in entry.get("addresses") or []:
-                found = DiscoveredEndpoint(str(address).strip("[]"), number, state)
+                try:
+                    found = DiscoveredEndpoint(str(address), number, state)
+                except ValueError:
+                    refused.add(str(address)[:256])  # logged by the caller; bounded in case it is huge
+                    continue
                 known = best.get(found.id)
                 if known is None or _RANK[state] > _RANK[known.readiness]:
                     best[found.id] = found
-    return tuple(sorted(best.values(), key=lambda e: e.id))
+    return tuple(sorted(best.values(), key=lambda e: e.id)), frozenset(refused)
+
+
+def endpoints_from_slices(slices: Iterable[Mapping[str, Any]], port: str | None = None) -> tuple[DiscoveredEndpoint, ...]:
+    """The endpoints of ``read_slices``, without the refused addresses."""
+    return read_slices(slices, port)[0]
 
 
 def apply_event(slices: Mapping[str, Mapping[str, Any]], kind: str, obj: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:

@@ -34,11 +34,11 @@ from typing import Any, AsyncIterator, Callable, Mapping
 from .backoff import Backoff
 from .endpointslices import (
     apply_event,
-    endpoints_from_slices,
     label_selector,
+    read_slices,
     slice_name,
 )
-from .model import DiscoveryFailure, DiscoverySnapshot, DiscoveryUpdate
+from .model import DiscoveryFailure, DiscoverySnapshot, DiscoveryUpdate, refused_note
 
 log = logging.getLogger("inferlb.control_plane.discovery")
 
@@ -104,9 +104,12 @@ class EndpointSliceWatch:
         self.connect_timeout_s = connect_timeout_s
         self.selector = label_selector(target.service)
         self.lists = 0  # how many times it listed (a relist after 410 counts)
+        self._refused: frozenset[str] = frozenset()  # the non-IP addresses skipped last time (logged on change)
 
     def _snapshot(self, slices: Slices) -> DiscoverySnapshot:
-        return DiscoverySnapshot("kubernetes", endpoints_from_slices(slices.values(), self.target.port))
+        endpoints, refused = read_slices(slices.values(), self.target.port)
+        self._refused = refused_note("kubernetes", refused, self._refused)
+        return DiscoverySnapshot("kubernetes", endpoints)
 
     def _request(self, **kwargs: Any) -> Any:
         from kubernetes.client.exceptions import ApiException

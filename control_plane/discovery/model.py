@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Literal
+
+from inferlb.runtime.hostport import endpoint_id
+
+from ..model import normalise_address
+
+log = logging.getLogger(__name__)
 
 DiscoverySource = Literal["dns", "kubernetes"]
 
@@ -19,13 +26,29 @@ class Readiness(enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class DiscoveredEndpoint:
+    """One address a provider found. Only an IP literal (canonical form) and a port in 1..65535 make one:
+    ``ValueError`` otherwise, so a provider skips what it cannot vouch for instead of publishing it."""
+
     address: str
     port: int
     readiness: Readiness = Readiness.READY
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 < self.port < 65536:
+            raise ValueError(f"port {self.port!r} is not in 1..65535")
+        object.__setattr__(self, "address", normalise_address(str(self.address)))
+
     @property
     def id(self) -> str:
-        return f"{self.address}:{self.port}"
+        return endpoint_id(self.address, self.port)
+
+
+def refused_note(source: str, refused: frozenset[str], before: frozenset[str]) -> frozenset[str]:
+    """Log the addresses a provider skipped, once per change of that set (not on every poll or event)."""
+    if refused and refused != before:
+        log.warning("discovered addresses refused (IP literals only); the others are published",
+                    extra={"source": source, "refused": sorted(refused)})
+    return refused
 
 
 @dataclass(frozen=True)
