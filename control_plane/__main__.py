@@ -103,7 +103,7 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     xds = await serve_xds(cache, f"{config.xds_address}:{config.xds_port}", metrics, xds_settings)
     scraper = Scraper(
         ScraperConfig(interval_s=config.scrape_interval_s, timeout_s=config.scrape_timeout_s,
-                      unhealthy_after=config.unhealthy_after),
+                      unhealthy_after=config.unhealthy_after, max_body_bytes=config.scrape_max_body_bytes),
         observer=metrics,
     )
     admin = EmbeddedServer(uvicorn.Config(

@@ -160,7 +160,8 @@ class ControlPlaneConfig(BaseSettings):
     # Static endpoints, host:port each (comma-separated in the environment).
     endpoints: Annotated[list[str], NoDecode] = Field(default_factory=list)
     scrape_interval_s: float = Field(0.5, gt=0)
-    scrape_timeout_s: float = Field(1.0, gt=0)
+    scrape_timeout_s: float = Field(1.0, gt=0)  # each scrape's total deadline, body included
+    scrape_max_body_bytes: int = Field(4 * 1024 * 1024, ge=1)  # a larger /metrics is a failed scrape
     unhealthy_after: int = Field(3, ge=1)
     stale_after_intervals: int = Field(4, ge=1)
     weight_policy: str = "capacity"

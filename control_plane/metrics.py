@@ -8,6 +8,7 @@ with it instead of lingering at their last value.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
@@ -97,6 +98,10 @@ class ControlPlaneMetrics:
             "Times an xDS stream's reader paused because its inbound buffer (xds_limits.inbound_buffer) was full.",
             registry=r)
         self.scrapes = Counter("inferlb_cp_scrapes", "Worker scrapes.", ["endpoint", "result"], registry=r)
+        self.scrape_refused_samples = Counter(
+            "inferlb_cp_scrape_refused_samples",
+            "Worker /metrics sample lines refused for a NaN or infinite value (that scrape's telemetry is not "
+            "averaged in).", registry=r)
         self.scrape_duration = Histogram(
             "inferlb_cp_scrape_duration_seconds", "Duration of one worker scrape.", buckets=LATENCY_BUCKETS,
             registry=r,
@@ -170,6 +175,15 @@ class ControlPlaneMetrics:
     def scrape_done(self, endpoint_id: str, ok: bool, duration_s: float) -> None:
         self.scrapes.labels(endpoint=endpoint_id, result="ok" if ok else "error").inc()
         self.scrape_duration.observe(duration_s)
+
+    def samples_refused(self, endpoint_id: str, count: int) -> None:
+        self.scrape_refused_samples.inc(count)
+
+    def endpoint_gone(self, endpoint_id: str) -> None:
+        """Remove the endpoint's labelled series: label sets must not grow with churn."""
+        for result in ("ok", "error"):
+            with contextlib.suppress(KeyError):
+                self.scrapes.remove(endpoint_id, result)
 
     def snapshot_published(self, changed_types: frozenset[str], seconds: float) -> None:
         self.snapshot_build.observe(seconds)

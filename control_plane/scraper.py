@@ -19,10 +19,14 @@ from typing import Awaitable, Callable, Mapping, Protocol, Sequence
 
 import httpx
 
+from inferlb.runtime.hostport import authority
+
 from .model import Endpoint, Health, Telemetry
 from .telemetry import Sample, parse_sample, smooth, window
 
 log = logging.getLogger(__name__)
+
+REFUSED_LOG_EVERY_S = 60.0  # per endpoint: a worker exporting NaN every scrape logs once a minute
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class ScraperConfig:
     metrics_path: str = "/metrics"
     # concurrent scrapes (kept-alive connections); beyond it, scrapes queue within their timeout
     max_connections: int = 256
+    # A /metrics body larger than this is a failed scrape: read in chunks and dropped at the cap.
+    max_body_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
@@ -49,9 +55,13 @@ class ScraperConfig:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
 
     @property
     def effective_timeout_s(self) -> float:
+        """The whole scrape's deadline: connect, headers and body together (a server dripping one byte
+        at a time never trips httpx's per-read timeout, so that alone bounds nothing)."""
         return self.timeout_s if self.timeout_s is not None else min(self.interval_s, 1.0)
 
 
@@ -66,7 +76,8 @@ class ScrapeOk:
 
 @dataclass(frozen=True)
 class ScrapeFailed:
-    """A failed scrape: unreachable, timed out, not 200, or not an inferlb worker's metrics."""
+    """A failed scrape: unreachable, past its deadline, over the body cap, not 200, or not an inferlb
+    worker's metrics."""
 
     at: float
     duration_s: float
@@ -81,15 +92,69 @@ class ScrapeObserver(Protocol):
 
     def scrape_done(self, endpoint_id: str, ok: bool, duration_s: float) -> None: ...
 
+    def samples_refused(self, endpoint_id: str, count: int) -> None: ...
+
+    def endpoint_gone(self, endpoint_id: str) -> None:
+        """The endpoint left the fleet: drop its labelled series."""
+
 
 class _NoObserver:
     def scrape_done(self, endpoint_id: str, ok: bool, duration_s: float) -> None:
         pass
 
+    def samples_refused(self, endpoint_id: str, count: int) -> None:
+        pass
 
-def metrics_url(endpoint: Endpoint, path: str = "/metrics") -> str:
-    host = f"[{endpoint.address}]" if ":" in endpoint.address else endpoint.address  # IPv6 literal
-    return f"http://{host}:{endpoint.port}{path}"
+    def endpoint_gone(self, endpoint_id: str) -> None:
+        pass
+
+
+class Target(Protocol):
+    """Anything with an IP address and a port serving /metrics: a worker's ``Endpoint``, an ext_proc replica."""
+
+    @property
+    def address(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+
+class ScrapeError(Exception):
+    """Why one scrape produced no usable body: deadline, size cap, HTTP status."""
+
+
+def metrics_url(target: Target, path: str = "/metrics") -> str:
+    return f"http://{authority(target.address, target.port)}{path}"
+
+
+async def fetch_metrics(client: httpx.AsyncClient, target: Target, config: ScraperConfig) -> str:
+    """The body of ``target``'s /metrics, bounded in time and size; ``ScrapeError`` says why not.
+
+    The deadline covers the whole exchange; the body is streamed and dropped
+    at ``max_body_bytes``, so neither a slow nor a huge answer can hold the
+    scraper's memory or time.
+    """
+    limit = config.max_body_bytes
+    deadline_s = config.effective_timeout_s
+    try:
+        async with asyncio.timeout(deadline_s):
+            async with client.stream("GET", metrics_url(target, config.metrics_path)) as response:
+                if response.status_code != 200:
+                    raise ScrapeError(f"HTTP {response.status_code}")
+                declared = response.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    raise ScrapeError(f"body of {declared} bytes is over the {limit}-byte cap")
+                chunks, size = [], 0
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ScrapeError(f"body over the {limit}-byte cap")
+                    chunks.append(chunk)
+    except TimeoutError:
+        raise ScrapeError(f"no complete answer within the {deadline_s:g} s deadline") from None
+    except httpx.HTTPError as exc:
+        raise ScrapeError(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+    return b"".join(chunks).decode(response.encoding or "utf-8", errors="replace")
 
 
 def apply_scrape_results(
@@ -140,7 +205,9 @@ class Scraper:
         self.config = config or ScraperConfig()
         self._observer = observer or _NoObserver()
         self._clock = clock
-        self._samples: dict[str, Sample] = {}
+        self._samples: dict[str, Sample] = {}  # the last clean sample of each endpoint
+        self._refused_logged: dict[str, float] = {}  # endpoint id -> when its refused values were last logged
+        self._known: set[str] = set()  # the endpoints of the last round
 
     def make_client(self) -> httpx.AsyncClient:
         # trust_env=False: a proxy from the environment must not sit between us and workers.
@@ -154,12 +221,14 @@ class Scraper:
     async def _scrape(self, client: httpx.AsyncClient, endpoint: Endpoint) -> ScrapeResult:
         started = self._clock()
         try:
-            response = await client.get(metrics_url(endpoint, self.config.metrics_path))
+            text = await fetch_metrics(client, endpoint, self.config)
             at = self._clock()
-            if response.status_code != 200:
-                raise ValueError(f"HTTP {response.status_code}")
-            sample = parse_sample(response.text, at)
-        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
+            # Parsing a few MiB of text takes milliseconds of CPU: off the loop, so xDS and ext_proc wait on nothing.
+            sample = await asyncio.to_thread(parse_sample, text, at)
+        except ScrapeError as exc:
+            at = self._clock()
+            return ScrapeFailed(at=at, duration_s=at - started, error=str(exc))
+        except ValueError as exc:
             at = self._clock()
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             return ScrapeFailed(at=at, duration_s=at - started, error=error)
@@ -167,6 +236,11 @@ class Scraper:
             log.exception("scrape crashed", extra={"endpoint": endpoint.id})
             at = self._clock()
             return ScrapeFailed(at=at, duration_s=at - started, error=f"{type(exc).__name__}: {exc}")
+        if sample.refused:  # the worker answered (healthy), but this sample is not averaged in
+            self._note_refused(endpoint.id, sample.refused, at)
+            return ScrapeOk(at=at, duration_s=at - started, telemetry=None)
+        if endpoint.id not in self._known:  # removed while this scrape ran: remember nothing of it
+            return ScrapeOk(at=at, duration_s=at - started, telemetry=None)
         prev = self._samples.get(endpoint.id)
         self._samples[endpoint.id] = sample
         telemetry = None
@@ -174,40 +248,82 @@ class Scraper:
             telemetry = smooth(endpoint.telemetry, window(prev, sample), sample.at, self.config.alpha)
         return ScrapeOk(at=at, duration_s=at - started, telemetry=telemetry)
 
-    async def scrape_once(self, client: httpx.AsyncClient, endpoints: Sequence[Endpoint]) -> dict[str, ScrapeResult]:
-        """Scrape all ``endpoints`` concurrently; smoothing starts from each endpoint's current telemetry."""
+    def _note_refused(self, endpoint_id: str, count: int, at: float) -> None:
+        self._observer.samples_refused(endpoint_id, count)
+        last = self._refused_logged.get(endpoint_id)
+        if last is None or at - last >= REFUSED_LOG_EVERY_S:
+            self._refused_logged[endpoint_id] = at
+            log.warning("NaN or infinite values in /metrics refused; telemetry kept from the last clean scrape",
+                        extra={"endpoint": endpoint_id, "refused": count})
+
+    def _forget_gone(self, endpoints: Sequence[Endpoint]) -> None:
+        """Removed endpoints: forget their samples, so a re-add starts fresh, and drop their metric series."""
         live = {e.id for e in endpoints}
-        for gone in set(self._samples) - live:  # removed endpoints: forget, so a re-add starts fresh
-            del self._samples[gone]
-        results = await asyncio.gather(*(self._scrape(client, e) for e in endpoints))
-        by_id = {e.id: r for e, r in zip(endpoints, results)}
-        for endpoint_id, result in by_id.items():
+        for gone in self._known - live:
+            self._samples.pop(gone, None)
+            self._refused_logged.pop(gone, None)
+            self._observer.endpoint_gone(gone)
+        self._known = live
+
+    def _report(self, results: Mapping[str, ScrapeResult]) -> None:
+        for endpoint_id, result in results.items():
             self._observer.scrape_done(endpoint_id, isinstance(result, ScrapeOk), result.duration_s)
             if isinstance(result, ScrapeFailed):
                 log.debug("scrape failed", extra={"endpoint": endpoint_id, "error": result.error})
+
+    async def scrape_once(self, client: httpx.AsyncClient, endpoints: Sequence[Endpoint]) -> dict[str, ScrapeResult]:
+        """Scrape all ``endpoints`` concurrently, each within its deadline; smoothing starts from each
+        endpoint's current telemetry. Returns when every scrape has ended (at most one deadline)."""
+        self._forget_gone(endpoints)
+        results = await asyncio.gather(*(self._scrape(client, e) for e in endpoints))
+        by_id = {e.id: r for e, r in zip(endpoints, results)}
+        self._report(by_id)
         return by_id
 
     async def run(self, get_endpoints: Callable[[], Sequence[Endpoint]], on_results: OnResults) -> None:
-        """Scrape every ``interval_s`` and hand each round to ``on_results`` until cancelled.
+        """Scrape every ``interval_s`` and hand the results to ``on_results`` until cancelled.
 
+        A round hands over what has finished when every scrape has ended or
+        the next tick comes, whichever is first: a slow endpoint never holds
+        back the others' results. Its scrape keeps running (within its own
+        deadline) and its result comes with a later round; it is not scraped
+        again meanwhile, so there is never more than one scrape per endpoint.
         Rounds never overlap: ``on_results`` (sync or async) finishes before
         the next round reads ``get_endpoints()``, so each round smooths from
         the state the previous one produced. A failing callback is logged,
-        not fatal; cancel the task to stop (the client is closed on the way out).
+        not fatal; cancel the task to stop (the client and any scrape still
+        running are closed on the way out).
         """
         loop = asyncio.get_running_loop()
+        inflight: dict[str, asyncio.Task[ScrapeResult]] = {}
         async with self.make_client() as client:
             next_round = loop.time()
-            while True:
-                try:
-                    results = await self.scrape_once(client, tuple(get_endpoints()))
-                    outcome = on_results(results)
-                    if inspect.isawaitable(outcome):
-                        await outcome
-                except Exception:  # the controller's callbacks: log, keep scraping
-                    log.exception("scrape round failed")
-                next_round += self.config.interval_s
-                now = loop.time()
-                if next_round < now:  # fell behind (slow round): skip, do not burst
-                    next_round = now
-                await asyncio.sleep(next_round - now)
+            try:
+                while True:
+                    next_round += self.config.interval_s
+                    try:
+                        endpoints = tuple(get_endpoints())
+                        self._forget_gone(endpoints)
+                        for e in endpoints:
+                            if e.id not in inflight:
+                                inflight[e.id] = asyncio.create_task(self._scrape(client, e), name=f"scrape {e.id}")
+                        if inflight:
+                            await asyncio.wait(inflight.values(), timeout=max(0.0, next_round - loop.time()))
+                        finished = [i for i, t in inflight.items() if t.done()]
+                        # An endpoint removed while its scrape ran gets no result: it is not in the fleet.
+                        results = {i: inflight.pop(i).result() for i in finished}
+                        results = {i: r for i, r in results.items() if i in self._known}
+                        self._report(results)
+                        outcome = on_results(results)
+                        if inspect.isawaitable(outcome):
+                            await outcome
+                    except Exception:  # the controller's callbacks: log, keep scraping
+                        log.exception("scrape round failed")
+                    now = loop.time()
+                    if next_round < now:  # fell behind (slow callback): skip, do not burst
+                        next_round = now
+                    await asyncio.sleep(next_round - now)
+            finally:
+                for task in inflight.values():
+                    task.cancel()
+                await asyncio.gather(*inflight.values(), return_exceptions=True)

@@ -81,6 +81,9 @@ class Sample:
     batch_cost_per_token_s: float = 0.0
     batch_cost_fixed_s: float = 0.0
     process_start_time: float | None = None
+    # Sample lines of the families read here whose value was NaN or +-Inf: skipped, not summed. A sample
+    # with any is not windowed (the scraper keeps the last clean one), so no EWMA ever sees them.
+    refused: int = 0
 
 
 @dataclass(frozen=True)
@@ -120,32 +123,43 @@ def _families(text: str) -> dict[str, Metric]:
         raise ValueError(f"not a Prometheus text exposition: {exc}") from None
 
 
+def _refused(families: Mapping[str, Metric]) -> int:
+    """How many sample lines of the families read here carry a NaN or infinite value (any metric type).
+
+    A bucket's ``le="+Inf"`` is a label, not a value: only values are checked.
+    """
+    names = (*REQUIRED_FAMILIES, BATCH_COST, START_TIME)
+    return sum(1 for name in names if name in families
+               for s in families[name].samples if not math.isfinite(float(s.value)))
+
+
 def _samples(families: Mapping[str, Metric], family: str, sample: str) -> list[tuple[dict[str, str], float]]:
-    """The (labels, value) of every ``sample`` line in ``family``; none if the family is absent."""
+    """The (labels, value) of every finite ``sample`` line in ``family``; none if the family is absent."""
     found = families.get(family)
     if found is None:
         return []
-    return [(s.labels, float(s.value)) for s in found.samples if s.name == sample]
+    return [(s.labels, float(s.value)) for s in found.samples if s.name == sample and math.isfinite(float(s.value))]
 
 
 def _scalar(families: Mapping[str, Metric], family: str, sample: str, default: float = 0.0) -> float:
-    """The first value of ``sample``; ``default`` if absent or not finite (a NaN gauge must not poison weights)."""
+    """The first finite value of ``sample``; ``default`` if there is none."""
     found = _samples(families, family, sample)
-    return found[0][1] if found and math.isfinite(found[0][1]) else default
+    return found[0][1] if found else default
 
 
 def _histogram(families: Mapping[str, Metric], name: str) -> HistogramSample:
     kind = families[name].type
     if kind != "histogram":
         raise ValueError(f"{name} should be a histogram, is a {kind}")
-    raw = _samples(families, name, name + "_bucket")
+    raw = [(s.labels, float(s.value)) for s in families[name].samples if s.name == name + "_bucket"]
     if any("le" not in labels for labels, _ in raw):
         raise ValueError(f"histogram {name} has a bucket without 'le'")
-    buckets = sorted((float(labels["le"]), value) for labels, value in raw)
-    if not buckets:  # a labelled histogram with no children yet
-        return EMPTY_HISTOGRAM
-    if not math.isinf(buckets[-1][0]):
+    if raw and not any(math.isinf(float(labels["le"])) for labels, _ in raw):
         raise ValueError(f"histogram {name} has no +Inf bucket")
+    # The +Inf in le="+Inf" is a bound; a bucket whose count is not finite is refused (see ``_refused``).
+    buckets = sorted((float(labels["le"]), value) for labels, value in raw if math.isfinite(value))
+    if not buckets:  # a labelled histogram with no children yet (or only refused counts)
+        return EMPTY_HISTOGRAM
     return HistogramSample(
         buckets=tuple(buckets),
         sum=_scalar(families, name, name + "_sum"),
@@ -159,6 +173,7 @@ def parse_sample(text: str, at: float) -> Sample:
     Raises ``ValueError`` naming the missing metrics if the text is not an
     inferlb worker's (another service on that port, a proxy's error page), so
     the scraper reports the target instead of crashing or inventing zeros.
+    NaN and infinite values are skipped line by line and counted in ``refused``.
     """
     families = _families(text)
     missing = [name for name in REQUIRED_FAMILIES if name not in families]
@@ -195,6 +210,7 @@ def parse_sample(text: str, at: float) -> Sample:
         batch_cost_per_token_s=cost.get("per_token", 0.0),
         batch_cost_fixed_s=cost.get("fixed", 0.0),
         process_start_time=None if math.isnan(start) else start,
+        refused=_refused(families),
     )
 
 
@@ -317,13 +333,14 @@ def smooth(prev: Telemetry | None, figures: WindowFigures, at: float, alpha: flo
     data is not zero latency) and still updates rates and gauges. A latency of
     exactly 0.0 in ``prev`` means "never measured" (``Telemetry``'s default),
     so the first real measurement is taken as is instead of being averaged
-    with that zero.
+    with that zero. A figure that is not finite is ignored like a missing one,
+    so one bad window can never poison the average for good.
     """
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must be in (0, 1], got {alpha}")
     values: dict[str, float] = {}
     for name in _LATENCY_FIELDS:
-        x: float | None = getattr(figures, name)
+        x: float | None = _finite(getattr(figures, name))
         old = getattr(prev, name) if prev is not None else None
         if x is None:
             values[name] = old if old is not None else 0.0
@@ -331,12 +348,21 @@ def smooth(prev: Telemetry | None, figures: WindowFigures, at: float, alpha: flo
             values[name] = x
         else:
             values[name] = alpha * x + (1.0 - alpha) * old
-    for name in _RATE_FIELDS:
-        x = getattr(figures, name)
-        values[name] = x if prev is None else alpha * x + (1.0 - alpha) * getattr(prev, name)
-    for name in _LATEST_FIELDS:
-        values[name] = getattr(figures, name)
+    for name in (*_RATE_FIELDS, *_LATEST_FIELDS):
+        x = _finite(getattr(figures, name))
+        old = getattr(prev, name) if prev is not None else None
+        if x is None:  # overflowed (a counter near 1e308 over a short window): keep what was known
+            values[name] = old if old is not None else 0.0
+        elif name in _LATEST_FIELDS or old is None:
+            values[name] = x
+        else:
+            values[name] = alpha * x + (1.0 - alpha) * old
     return Telemetry(observed_at=at, **values)
+
+
+def _finite(x: float | None) -> float | None:
+    """``x``, or None when it is not a finite number: no NaN or infinity may enter an average."""
+    return x if x is not None and math.isfinite(x) else None
 
 
 def is_stale(t: Telemetry | None, now: float, max_age_s: float) -> bool:

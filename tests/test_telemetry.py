@@ -260,3 +260,57 @@ def test_a_histogram_of_the_wrong_type_is_refused() -> None:
     )
     with pytest.raises(ValueError, match="inferlb_worker_queue_wait_seconds"):
         parse_sample(text, at=0.0)
+
+
+# --- NaN and Inf are refused per sample ------------------------------------------------------------------
+
+
+def _with_value(text: str, line_start: str, value: str) -> str:
+    """``text`` with the value of its first line starting ``line_start`` replaced."""
+    lines = text.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(line_start))
+    lines[i] = lines[i].rsplit(" ", 1)[0] + " " + value
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("line_start", [
+    'inferlb_worker_requests_total{code="200"}',  # counter
+    "inferlb_worker_cpu_utilization",  # gauge
+    'inferlb_worker_batch_cost_seconds{term="fixed"}',  # labelled gauge
+    'inferlb_worker_request_duration_seconds_bucket{le="0.016"}',  # histogram bucket
+    'inferlb_worker_request_duration_seconds_bucket{le="+Inf"}',  # the +Inf bucket's count
+    "inferlb_worker_request_duration_seconds_sum",
+    "inferlb_worker_queue_wait_seconds_count",
+    "process_start_time_seconds",
+])
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+def test_non_finite_values_are_refused_in_every_metric_type(line_start: str, value: str) -> None:
+    m = FakeWorkerMetrics()
+    m.request(tokens=10, queue_s=0.001)
+    m.batch_cost.labels(term="fixed").set(0.002)
+    clean = parse_sample(m.text(), at=1.0)
+    assert clean.refused == 0  # le="+Inf" is a bound (a label), not a value
+    bad = parse_sample(_with_value(m.text(), line_start, value), at=2.0)
+    assert bad.refused == 1
+    for field, got in vars(bad).items():  # skipped, never carried into the sample
+        if isinstance(got, float):
+            assert math.isfinite(got), field
+
+
+def test_a_summary_with_a_nan_quantile_is_refused() -> None:
+    """A foreign exporter's summary in a family read here: its quantile lines are values too."""
+    text = FakeWorkerMetrics().text()
+    gauge = "# TYPE inferlb_worker_queue_depth gauge\ninferlb_worker_queue_depth 0.0\n"
+    assert gauge in text
+    summary = text.replace(gauge, '# TYPE inferlb_worker_queue_depth summary\ninferlb_worker_queue_depth{quantile="0.5"} '
+                                  "NaN\ninferlb_worker_queue_depth_sum 1.0\ninferlb_worker_queue_depth_count 1.0\n")
+    assert parse_sample(summary, at=1.0).refused == 1
+
+
+def test_smooth_ignores_figures_that_are_not_finite() -> None:
+    """An overflowed window (a counter near 1e308 over half a second is inf) must not enter the EWMA."""
+    prev = smooth(None, _figures(rps=10.0, latency_mean_s=0.1), at=1.0, alpha=0.5)
+    for bad in (math.inf, math.nan):
+        t = smooth(prev, _figures(rps=bad, latency_mean_s=bad, queue_depth=bad), at=2.0, alpha=0.5)
+        assert t.rps == prev.rps and t.latency_mean_s == prev.latency_mean_s and t.queue_depth == prev.queue_depth
+        assert all(math.isfinite(v) for v in vars(t).values())
