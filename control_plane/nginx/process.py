@@ -4,7 +4,10 @@ Async throughout (``asyncio`` subprocesses): ``nginx -t`` parses the whole
 configuration and must not stall the xDS streams or the admin API. A reload
 is confirmed, not assumed: nginx answers SIGHUP by starting new worker
 processes only if the new configuration loaded, so a reload counts as done
-once a worker the master did not have before appears.
+once a worker the master did not have before appears and every old worker has
+stopped accepting: the master lets old and new workers both accept for 100 ms
+before it tells the old ones to quit, and a connection taken then would be
+balanced by the old weights.
 """
 
 from __future__ import annotations
@@ -66,6 +69,16 @@ async def validate(settings: NginxSettings, main_path: Path) -> str | None:
     return out.decode(errors="replace").strip() or f"nginx -t exited with {proc.returncode}"
 
 
+def _accepting(pid: int) -> bool:
+    """Whether an nginx worker still takes new connections: it renames itself "... is shutting down"
+    when told to quit, then only finishes what it has."""
+    try:
+        title = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:  # gone (or a zombie): not accepting
+        return False
+    return "shutting down" not in title
+
+
 class NginxProcess:
     """The nginx master: our child (``manage_process``) or one started elsewhere, found by its pid file."""
 
@@ -124,18 +137,19 @@ class NginxProcess:
             await asyncio.sleep(POLL_S)
 
     async def reload(self, timeout_s: float = 10.0) -> None:
-        """SIGHUP (graceful: old workers finish their requests); done when a new worker process runs."""
+        """SIGHUP (graceful: old workers finish their requests); done when a new worker process runs
+        and no old one accepts connections any more."""
         pid = self.master_pid()
         if pid is None:
             raise NginxError(f"nginx is not running (pid file {self.settings.pid_path})")
         before = self.worker_pids()
         os.kill(pid, signal.SIGHUP)
         deadline = time.monotonic() + timeout_s
-        while not (self.worker_pids() - before):
+        while not (self.worker_pids() - before) or any(_accepting(old) for old in before):
             if self.master_pid() is None:
                 raise NginxError("nginx exited during the reload")
             if time.monotonic() > deadline:
-                raise NginxError(f"nginx started no new worker within {timeout_s}s of SIGHUP: "
+                raise NginxError(f"nginx did not switch to new workers within {timeout_s}s of SIGHUP: "
                                  f"{_tail(self.settings.config_dir / 'error.log')}")
             await asyncio.sleep(POLL_S)
 
