@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -186,6 +186,12 @@ class ExtProcMetrics:
         counts[key] = counts.get(key, 0) + 1
         self._bucket_counts[bisect.bisect_left(self._bounds, seconds)] += 1
         self._decision_sum += seconds
+
+    def retain_endpoints(self, endpoint_ids: Iterable[str]) -> None:
+        """Drop the series of endpoints that left the fleet (on each EDS view), so churn never grows them."""
+        keep = set(endpoint_ids)
+        for key in [k for k in self.decision_counts if k[1] not in keep]:
+            del self.decision_counts[key]
 
     def count(self, counter: str, label: str) -> None:
         """``counter``: "fallbacks", "parse_failures", "responses" or "released"; ``label``: its one label's value."""

@@ -68,6 +68,8 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from inferlb.runtime.hostport import id_of_authority
+
 from .cost import CostModel, parse_orca, parse_server_timing, service_seconds
 from .metrics import ExtProcMetrics, LiveState
 from .model import RequestView
@@ -389,6 +391,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def on_view(self, view: EndpointView) -> None:
         """A new view: forget departed endpoints' fits; switch the pick policy if EDS names another one."""
         self.cost.retain(set(view.by_id))
+        self.metrics.retain_endpoints(view.by_id.keys())
         self.picker.set_partition(*view.partition)
         spec = view.pick_policy
         if spec is None or _same_spec(spec, self.policy_spec):
@@ -582,13 +585,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     @staticmethod
     def _upstream(request: pb.ProcessingRequest) -> str | None:
-        """The host that answered, if Envoy sends the ``upstream.address`` attribute (after a retry
-        it is not the primary pick)."""
+        """The id of the host that answered, if Envoy sends the ``upstream.address`` attribute (after a
+        retry it is not the primary pick). Envoy writes ``[ip]:port`` for IPv6; the fleet view's ids do not
+        bracket, so the attribute is mapped to the id (else an IPv6 worker's responses would teach nothing)."""
         attributes = request.attributes.get(EXT_PROC_ATTRIBUTES_KEY)
         if attributes is None:
             return None
         value = attributes.fields.get(UPSTREAM_ATTRIBUTE)
-        return (value.string_value or None) if value is not None else None
+        if value is None or not value.string_value:
+            return None
+        try:
+            return id_of_authority(value.string_value)
+        except ValueError:  # not ip:port (a pipe, an internal address): fall back to the pick
+            return None
 
     def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str]) -> None:
         """Feed the cost model (the worker's compute time) and the picker (its ORCA load report)."""
