@@ -37,9 +37,9 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(configured) if configured else tmp_path_factory.mktemp("inferlb-data")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.bootstrap import render_bootstrap
 from inferlb.components import which_envoy
+from inferlb.runtime.hostport import authority, endpoint_id
 
 from .conftest import free_port
 
@@ -259,7 +260,7 @@ def running_control_plane(
 
 # --- Envoy ---------------------------------------------------------------------------------------
 
-_HOST_LINE = re.compile(r"^(?P<cluster>[^:]+)::(?P<host>[^:]+:\d+)::(?P<key>[a-z_.]+)::(?P<value>.*)$")
+_HOST_LINE = re.compile(r"^(?P<cluster>[^:]+)::(?P<host>\[[0-9a-f:.]+\]:\d+|[^:]+:\d+)::(?P<key>[a-z_.]+)::(?P<value>.*)$")
 
 
 @dataclass
@@ -349,14 +350,15 @@ def running_envoy(
 class SimWorker:
     proc: Proc
     port: int
+    host: str = "127.0.0.1"
 
     @property
     def id(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return endpoint_id(self.host, self.port)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{authority(self.host, self.port)}"
 
     def set_speed(self, speed: float) -> None:
         with http() as client:
@@ -365,23 +367,24 @@ class SimWorker:
             assert response.json()["speed"] == speed
 
 
-def _spawn_sim_worker(log_dir: Path, speed: float, args: Sequence[str]) -> SimWorker:
-    port = free_port()
+def _spawn_sim_worker(log_dir: Path, speed: float, args: Sequence[str], host: str) -> SimWorker:
+    port = free_port(host)
     proc = launch(f"sim-worker-{port}", [sys.executable, "-m", "workers", "--simulate", "--speed", str(speed),
-                                         "--port", str(port), *args], log_dir,
+                                         "--host", host, "--port", str(port), *args], log_dir,
                   {"INFERLB_DATA_DIR": str(log_dir / "worker-data")})
-    return SimWorker(proc, port)
+    return SimWorker(proc, port, host)
 
 
 @contextmanager
 def running_sim_workers(log_dir: Path, count: int, *, speed: float = 1.0, args: Sequence[str] = (),
-                        timeout: float = 60) -> Iterator[list[SimWorker]]:
+                        timeout: float = 60, host: str = "127.0.0.1") -> Iterator[list[SimWorker]]:
     """``count`` simulated workers (``python -m workers --simulate``: the real API, batching, metrics and
-    ORCA around a timed wait), started together so their start-ups overlap; all stopped at the end."""
+    ORCA around a timed wait) on ``host`` (``::1`` for IPv6), started together so their start-ups overlap;
+    all stopped at the end."""
     workers: list[SimWorker] = []
     try:
         for _ in range(count):
-            workers.append(_spawn_sim_worker(log_dir, speed, args))
+            workers.append(_spawn_sim_worker(log_dir, speed, args, host))
         for worker in workers:
             wait_for(lambda: _http_ok(f"{worker.url}/readyz"), timeout,
                      f"simulated worker {worker.port} to become ready", [worker.proc])

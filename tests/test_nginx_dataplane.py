@@ -193,9 +193,14 @@ def test_a_config_nginx_t_rejects_is_never_applied(tmp_path: Path, workers: list
     extra = tmp_path / "extra.conf"
     with nginx_stack(tmp_path, workers) as cp:
         extra.write_text('add_header X-Extra "good" always;\n')
-        wait_for(lambda: send(cp, 1)[1][0].headers.get("x-extra") == "good", 30, "the good extra directives",
-                 [cp.proc])
-        good = dataplane(cp)
+
+        def good_applied() -> dict[str, Any] | None:
+            """The status once the good directives serve and their reload has completed (nothing pending)."""
+            before = dataplane(cp)
+            serving = send(cp, 1)[1][0].headers.get("x-extra") == "good"
+            return before if serving and not before["pending"] and dataplane(cp) == before else None
+
+        good = wait_for(good_applied, 30, "the good extra directives", [cp.proc])
 
         extra.write_text("bogus_directive on;\n")
         failing = wait_for(lambda: (s := dataplane(cp))["failing"] and s, 30, "the bad config to be refused",
