@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Mapping
+from typing import Mapping, Protocol
 
 from ..config import ControlPlaneConfig, parse_endpoint
-from ..controller import Controller
 from .dns import DnsProvider
 from .kubernetes import KubernetesProvider, KubernetesTarget
+from .model import DiscoverySnapshot, DiscoverySource
 from .reconcile import Override
 from .runner import DiscoveryObserver, Provider, run_provider
+
+
+class DiscoveryTarget(Protocol):
+    """What discovery drives (the controller); a protocol, so discovery never imports the controller."""
+
+    def seed_discovery_overrides(self, source: DiscoverySource, overrides: Mapping[str, Override]) -> None: ...
+
+    def sync_source(self, snapshot: DiscoverySnapshot) -> object: ...
 
 
 def configured_providers(config: ControlPlaneConfig) -> list[Provider]:
@@ -25,7 +33,7 @@ def configured_providers(config: ControlPlaneConfig) -> list[Provider]:
     return providers
 
 
-def start_discovery(config: ControlPlaneConfig, controller: Controller, observer: DiscoveryObserver | None,
+def start_discovery(config: ControlPlaneConfig, controller: DiscoveryTarget, observer: DiscoveryObserver | None,
                     stored_overrides: Mapping[str, Override] | None = None) -> list[asyncio.Task[None]]:
     """One task per provider. ``stored_overrides`` (id -> pinned_weight/draining, from the store) apply to
     discovered endpoints when they appear: at startup none of them is known yet."""
