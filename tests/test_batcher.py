@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 import pytest
 
-from workers.batcher import BatchCostModel, MicroBatcher, QueueFull
+from workers.batcher import BatchCostModel, DeadlineExceeded, MicroBatcher, Priority, QueueFull
 
 
 class Observer:
@@ -22,6 +23,8 @@ class Observer:
         self.batches: list[dict[str, float]] = []
         self.waits: list[float] = []
         self.depths: list[int] = []
+        self.cancelled = 0
+        self.missed = 0
 
     def batch_done(self, *, size: int, tokens: int, padded_tokens: int, seconds: float) -> None:
         self.batches.append({"size": size, "tokens": tokens, "padded": padded_tokens})
@@ -31,6 +34,12 @@ class Observer:
 
     def queue_depth(self, items: int) -> None:
         self.depths.append(items)
+
+    def inputs_cancelled(self, items: int) -> None:
+        self.cancelled += items
+
+    def deadline_missed(self) -> None:
+        self.missed += 1
 
 
 class GatedEngine:
@@ -144,7 +153,7 @@ def test_a_failed_batch_fails_its_requests_and_the_batcher_goes_on() -> None:
 def test_cancelled_requests_are_dropped_from_the_queue() -> None:
     async def main() -> None:
         engine = GatedEngine()
-        batcher, _, executor = make(engine)
+        batcher, observer, executor = make(engine)
         batcher.start()
         busy = asyncio.ensure_future(batcher.embed([tokens(4, 0)]))
         await _entered(engine)
@@ -158,6 +167,7 @@ def test_cancelled_requests_are_dropped_from_the_queue() -> None:
         engine.gate.release()
         assert int((await kept).vectors[0][1]) == 2
         assert engine.batches == [[4], [6]]
+        assert observer.cancelled == 1 and batcher.queued == 0
         await batcher.stop()
         executor.shutdown()
 
@@ -180,6 +190,102 @@ def test_a_full_queue_sheds_load() -> None:
         await _entered(engine)
         engine.gate.release()
         assert len((await queued).vectors) == 3
+        await batcher.stop()
+        executor.shutdown()
+
+    run(main())
+
+
+def test_a_short_request_waits_for_one_batch_of_a_large_one_not_all_of_it() -> None:
+    """Before: each batch was built around the oldest queued input, so all 20 inputs of the large request
+    (ten batches here) ran before the short one that arrived during its first batch."""
+    async def main() -> None:
+        engine = GatedEngine()
+        batcher, _, executor = make(engine, max_batch_tokens=200, max_batch_size=64)
+        batcher.start()
+        large = asyncio.ensure_future(batcher.embed([tokens(100, i) for i in range(20)]))
+        await _entered(engine)  # the large request's first batch runs
+        short = asyncio.ensure_future(batcher.embed([tokens(5, 99)]))
+        await asyncio.sleep(0)
+        engine.gate.release()
+        await _entered(engine)  # the next batch
+        assert engine.batches == [[100, 100]]
+        engine.gate.release()
+        assert int((await short).vectors[0][1]) == 99
+        assert engine.batches == [[100, 100], [5]]
+        open_gate(engine)
+        assert [int(r[1]) for r in (await large).vectors] == list(range(20))
+        await batcher.stop()
+        executor.shutdown()
+
+    run(main())
+
+
+def test_two_large_requests_take_turns() -> None:
+    async def main() -> None:
+        engine = GatedEngine()
+        batcher, _, executor = make(engine, max_batch_tokens=200, max_batch_size=64)
+        batcher.start()
+        busy = asyncio.ensure_future(batcher.embed([tokens(4, 0)]))
+        await _entered(engine)
+        a = asyncio.ensure_future(batcher.embed([tokens(100, 1)] * 6))
+        b = asyncio.ensure_future(batcher.embed([tokens(90, 2)] * 6))
+        await asyncio.sleep(0)
+        open_gate(engine)
+        await asyncio.gather(busy, a, b)
+        # Two inputs per batch (200 tokens): b starts long before a's last batch (before: a ran first, whole).
+        batches = engine.batches[1:]
+        first_b = min(i for i, batch in enumerate(batches) if 90 in batch)
+        last_a = max(i for i, batch in enumerate(batches) if 100 in batch)
+        assert first_b == 1 and last_a >= 4, batches
+        await batcher.stop()
+        executor.shutdown()
+
+    run(main())
+
+
+@pytest.mark.parametrize("aging_s, expected", [(3600.0, [[4], [7], [8], [9]]), (1e-9, [[4], [9], [8], [7]])])
+def test_classes_go_in_priority_order_and_waiting_ages_a_request_up(aging_s: float, expected: list) -> None:
+    """critical before standard before sheddable; with (absurdly) quick aging every waiting request reaches
+    the top class and arrival order decides: nothing starves."""
+    async def main() -> None:
+        engine = GatedEngine()
+        batcher, _, executor = make(engine, max_batch_size=1, aging_s=aging_s)
+        batcher.start()
+        busy = asyncio.ensure_future(batcher.embed([tokens(4, 0)]))
+        await _entered(engine)
+        waiting = [asyncio.ensure_future(batcher.embed([tokens(n, n)], priority=p))
+                   for n, p in ((9, Priority.SHEDDABLE), (8, Priority.STANDARD), (7, Priority.CRITICAL))]
+        await asyncio.sleep(0)
+        open_gate(engine)
+        await asyncio.gather(busy, *waiting)
+        assert engine.batches == expected
+        await batcher.stop()
+        executor.shutdown()
+
+    run(main())
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_never_runs() -> None:
+    async def main() -> None:
+        engine = GatedEngine()
+        batcher, observer, executor = make(engine)
+        batcher.start()
+        with pytest.raises(DeadlineExceeded, match="had passed when it arrived"):
+            await batcher.embed([tokens(5, 1)], deadline=time.perf_counter())
+        busy = asyncio.ensure_future(batcher.embed([tokens(4, 0)]))
+        await _entered(engine)
+        deadline = time.perf_counter() + 0.001
+        late = asyncio.ensure_future(batcher.embed([tokens(6, 2)], deadline=deadline))
+        kept = asyncio.ensure_future(batcher.embed([tokens(7, 3)]))
+        while time.perf_counter() <= deadline:  # the condition itself: the deadline has passed
+            await asyncio.sleep(0.001)
+        open_gate(engine)
+        with pytest.raises(DeadlineExceeded, match="while its inputs waited"):
+            await late
+        await asyncio.gather(busy, kept)
+        assert engine.batches == [[4], [7]]
+        assert observer.missed == 2 and batcher.queued == 0
         await batcher.stop()
         executor.shutdown()
 

@@ -47,6 +47,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, help="inputs per batch (default 64)")
     p.add_argument("--max-batch-wait-ms", type=float, help="cap of the adaptive batch window (default 5)")
     p.add_argument("--max-inputs", type=int, help="inputs per request (default 2048)")
+    p.add_argument("--max-request-tokens", type=int,
+                   help="tokens per request, all inputs together (default 16384, about 2 s on one core)")
     p.add_argument("--max-body-bytes", type=int, help="request body limit (default 4 MiB)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
                    help="seconds in-flight requests get after SIGTERM (default 30)")

@@ -7,8 +7,11 @@ error shape. (The admin API, which needs OpenAPI, uses FastAPI.)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, TypeVar
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -19,10 +22,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from .protocol import APIError, error_body, models_response
-from .service import EmbeddingService
+from .request_options import parse_request_options
+from .service import CLIENT_CLOSED, EmbeddingService
 from .simulated import Simulation
 
 JSON = "application/json"
+T = TypeVar("T")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -37,6 +42,31 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise APIError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None once the client has gone (``work`` is then cancelled).
+
+    The body has been read, so the next ASGI message can only be the
+    disconnect: waiting for it costs nothing while the request computes.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def simulation_routes(simulation: Simulation) -> list[Route]:
@@ -67,11 +97,14 @@ def create_app(
             err = APIError(503, "worker is shutting down", type="server_error", code="shutting_down")
             return Response(err.body(), 503, media_type=JSON, headers={"connection": "close"})
         try:
+            options = parse_request_options(request.headers, time.perf_counter())
             body = await read_body(request, service.config.max_body_bytes)
         except APIError as exc:
             service.metrics.request_done(exc.status, 0.0)
             return Response(exc.body(), exc.status, media_type=JSON, headers={"connection": "close"})
-        reply = await service.embeddings(body)
+        reply = await unless_disconnected(request, service.embeddings(body, options))
+        if reply is None:  # nobody to answer; the work is cancelled and its queued inputs gone
+            return Response(status_code=CLIENT_CLOSED)
         return Response(reply.body, reply.status, media_type=JSON, headers=reply.headers)
 
     async def models(request: Request) -> Response:

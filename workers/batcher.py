@@ -7,8 +7,17 @@ Why this shape:
   at once from what queued. So an idle worker never waits, and a busy worker
   batches exactly as much as the load gives it.
 - Padding short inputs to long ones costs up to 27x here, so a batch is built
-  around the oldest input (no starvation) from inputs of similar length, while
-  real tokens stay >= ``min_fill`` of the padded tokens.
+  around one input (the anchor) from inputs of similar length, while real
+  tokens stay >= ``min_fill`` of the padded tokens.
+- The anchor comes from the request that has had the least service so far
+  (padded tokens computed for it), within the best priority class: a request
+  of 2,048 inputs gets one batch, then a one-sentence request that arrived
+  meanwhile gets the next, instead of waiting for all 2,048 (least attained
+  service: short requests finish first without anyone knowing sizes ahead).
+  Classes are strict, but a request that has waited ``aging_s`` since its
+  last batch climbs one class per ``aging_s``: nothing starves.
+- A request whose client has gone is dropped from the queue at once; one
+  whose deadline has passed never starts another input.
 - An optional extra wait (the adaptive window) follows BentoML's model: batch
   time is ``a * tokens + b``. Waiting can pay only when another input is
   expected within the fixed cost ``b``; the window is therefore ``min(b, cap)``
@@ -18,8 +27,10 @@ Why this shape:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
+from enum import IntEnum
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
@@ -39,17 +50,50 @@ class BatchObserver(Protocol):
     def queue_depth(self, items: int) -> None: ...
 
 
+    def inputs_cancelled(self, items: int) -> None: ...
+
+    def deadline_missed(self) -> None: ...
+
+
 class QueueFull(Exception):
     """The worker has more queued inputs than ``max_queue_items``: shed load."""
 
 
-@dataclass
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before all its inputs had started; the rest never will."""
+
+
+class Priority(IntEnum):
+    """Request classes, best first (the Gateway API Inference Extension's criticality levels)."""
+
+    CRITICAL = 0
+    STANDARD = 1
+    SHEDDABLE = 2
+
+
+@dataclass(eq=False)
 class _Item:
     tokens: Sequence[int]
     future: asyncio.Future[np.ndarray]
     enqueued: float
     started: float = 0.0
     finished: float = 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    """One ``embed`` call's queued inputs and what orders it against the other requests."""
+
+    items: deque[_Item]
+    priority: Priority
+    deadline: float | None  # perf_counter seconds; None: no deadline
+    seq: int  # arrival order, the last tie-break
+    waiting_since: float  # arrival, then the end of its last batch: aging counts from here
+    attained: int = 0  # padded tokens computed for it so far
+
+    def rank(self, now: float, aging_s: float) -> int:
+        """Its class, improved by one per ``aging_s`` waited since it was last served (never past critical)."""
+        return max(0, int(self.priority) - int((now - self.waiting_since) / aging_s))
 
 
 @dataclass(frozen=True)
@@ -108,8 +152,11 @@ class MicroBatcher:
     max_wait_s: float = 0.005
     max_queue_items: int = 8192
     min_fill: float = 0.75
+    aging_s: float = 2.0
     cost: BatchCostModel = field(default_factory=BatchCostModel)
-    _queue: deque[_Item] = field(default_factory=deque)
+    _pending: list[_Request] = field(default_factory=list)  # in arrival order
+    _queued: int = 0  # inputs in _pending
+    _seq: int = 0
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
     _arrival_gap: float = 1.0
@@ -128,41 +175,53 @@ class MicroBatcher:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        while self._queue:
-            item = self._queue.popleft()
-            if not item.future.done():
-                item.future.set_exception(RuntimeError("worker is shutting down"))
+        pending, self._pending, self._queued = self._pending, [], 0
+        for request in pending:
+            for item in request.items:
+                if not item.future.done():
+                    item.future.set_exception(RuntimeError("worker is shutting down"))
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return self._queued
 
     @property
     def busy(self) -> bool:
         return self._busy
 
     # -- submitting ------------------------------------------------------
-    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embedded:
+    async def embed(self, inputs: Sequence[Sequence[int]], *, priority: Priority = Priority.STANDARD,
+                    deadline: float | None = None) -> Embedded:
         """Embed ``inputs`` (token-id arrays); rows come back in input order.
 
         The inputs may land in different batches; each has its own future.
+        ``deadline`` (``time.perf_counter()`` seconds): no input starts after
+        it, the call raises ``DeadlineExceeded`` instead. Cancelling the call
+        (the client went away) takes its inputs out of the queue at once.
         """
-        if len(self._queue) + len(inputs) > self.max_queue_items:
-            raise QueueFull(f"{len(self._queue)} inputs already queued (limit {self.max_queue_items})")
+        if self._queued + len(inputs) > self.max_queue_items:
+            raise QueueFull(f"{self._queued} inputs already queued (limit {self.max_queue_items})")
         loop = asyncio.get_running_loop()
         now = time.perf_counter()
+        if deadline is not None and deadline <= now:
+            self.observer.deadline_missed()
+            raise DeadlineExceeded("the request's deadline had passed when it arrived")
         if self._last_arrival:
             self._arrival_gap = 0.8 * self._arrival_gap + 0.2 * (now - self._last_arrival)
         self._last_arrival = now
         items = [_Item(tokens, loop.create_future(), now) for tokens in inputs]
-        self._queue.extend(items)
-        self.observer.queue_depth(len(self._queue))
+        self._seq += 1
+        request = _Request(deque(items), Priority(priority), deadline, self._seq, now)
+        self._pending.append(request)
+        self._queued += len(items)
+        self.observer.queue_depth(self._queued)
         self._wakeup.set()
         try:
             rows = await asyncio.gather(*(item.future for item in items))
         except BaseException:
             for item in items:
                 item.future.cancel()
+            self._withdraw(request)
             raise
         first_start = min(item.started for item in items)
         return Embedded(
@@ -170,6 +229,18 @@ class MicroBatcher:
             queue_s=first_start - now,
             compute_s=max(item.finished for item in items) - first_start,
         )
+
+    def _withdraw(self, request: _Request) -> None:
+        """Take a request's still-queued inputs out (its client left, or one of its inputs failed)."""
+        if request not in self._pending:
+            return
+        self._pending.remove(request)
+        left = len(request.items)
+        self._queued -= left
+        request.items.clear()
+        if left:
+            self.observer.inputs_cancelled(left)
+            self.observer.queue_depth(self._queued)
 
     # -- the loop --------------------------------------------------------
     def window(self) -> float:
@@ -179,22 +250,22 @@ class MicroBatcher:
 
     async def _run(self) -> None:
         while True:
-            if not self._queue:
+            if not self._pending:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             await self._maybe_wait()
             batch = self._take_batch()
-            self.observer.queue_depth(len(self._queue))
+            self.observer.queue_depth(self._queued)
             if batch:
                 await self._execute(batch)
 
     async def _maybe_wait(self) -> None:
         window = self.window()
-        if window <= 0 or self._arrival_gap >= window:
+        if window <= 0 or self._arrival_gap >= window or not self._pending:
             return
-        deadline = self._queue[0].enqueued + window
-        while len(self._queue) < self.max_batch_size and self._queued_tokens() < self.max_batch_tokens:
+        deadline = self._pending[0].items[0].enqueued + window if self._pending[0].items else 0.0
+        while self._queued < self.max_batch_size and self._queued_tokens() < self.max_batch_tokens:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return
@@ -205,23 +276,42 @@ class MicroBatcher:
                 return
 
     def _queued_tokens(self) -> int:
-        return sum(len(item.tokens) for item in self._queue)
+        return sum(len(item.tokens) for request in self._pending for item in request.items)
+
+    def _expire(self, now: float) -> None:
+        """Fail the requests whose deadline has passed; forget the empty ones."""
+        for request in list(self._pending):
+            if request.deadline is not None and request.deadline <= now and request.items:
+                error = DeadlineExceeded("the request's deadline passed while its inputs waited in the queue")
+                for item in request.items:
+                    if not item.future.done():
+                        item.future.set_exception(error)
+                self.observer.deadline_missed()
+            if request.deadline is not None and request.deadline <= now or not request.items:
+                self._queued -= len(request.items)
+                request.items.clear()
+                self._pending.remove(request)
 
     def _take_batch(self) -> list[_Item]:
-        """The oldest live input plus the queued inputs nearest its length that fit."""
-        while self._queue and self._queue[0].future.done():  # cancelled by its client
-            self._queue.popleft()
-        if not self._queue:
+        """An anchor input from the least-served request of the best class, plus the queued inputs nearest
+        its length that fit (from any request: the spare room of a batch costs no one a turn)."""
+        now = time.perf_counter()
+        self._expire(now)
+        if not self._pending:
             return []
-        anchor = self._queue[0]
+        owner = min(self._pending, key=lambda r: (r.rank(now, self.aging_s), r.attained, r.seq))
+        anchor = owner.items[0]
         anchor_len = len(anchor.tokens)
+        # At most a batch's worth from each request: a request of 2,048 inputs is not scanned whole.
         candidates = sorted(
-            (item for item in list(self._queue)[1:512] if not item.future.done()),
-            key=lambda item: abs(len(item.tokens) - anchor_len),
+            ((item, request) for request in self._pending
+             for item in itertools.islice(request.items, 1 if request is owner else 0, self.max_batch_size)),
+            key=lambda pair: (abs(len(pair[0].tokens) - anchor_len), pair[1].rank(now, self.aging_s),
+                              pair[1].attained),
         )
-        batch = [anchor]
+        batch, taken = [anchor], {owner: 1}
         real = lo = hi = anchor_len
-        for item in candidates:
+        for item, request in candidates:
             if len(batch) >= self.max_batch_size:
                 break
             n = len(item.tokens)
@@ -230,9 +320,16 @@ class MicroBatcher:
             if padded > self.max_batch_tokens or (real + n) < self.min_fill * padded:
                 continue
             batch.append(item)
+            taken[request] = taken.get(request, 0) + 1
             real, lo, hi = real + n, new_lo, new_hi
         chosen = {id(item) for item in batch}
-        self._queue = deque(item for item in self._queue if id(item) not in chosen and not item.future.done())
+        for request, count in taken.items():
+            request.items = deque(item for item in request.items if id(item) not in chosen)
+            self._queued -= count
+            request.attained += hi * count  # its share of the padded batch
+            request.waiting_since = now
+            if not request.items:
+                self._pending.remove(request)
         return batch
 
     async def _execute(self, batch: list[_Item]) -> None:

@@ -111,6 +111,11 @@ class WorkerMetrics:
         self.tokens = Counter("inferlb_worker_tokens", "Tokens embedded.", registry=r)
         self.inputs = Counter("inferlb_worker_inputs", "Inputs (texts or token arrays) embedded.", registry=r)
         self.queue_depth_gauge = Gauge("inferlb_worker_queue_depth", "Inputs waiting for a batch.", registry=r)
+        self.cancelled_inputs = Counter("inferlb_worker_cancelled_inputs",
+                                        "Queued inputs dropped because their client went away.", registry=r)
+        self.deadline_misses = Counter("inferlb_worker_deadline_misses",
+                                       "Requests refused (504) because their deadline passed before their inputs "
+                                       "could start.", registry=r)
         self.inflight = Gauge("inferlb_worker_inflight_requests", "Requests being served.", registry=r)
         self.cpu = Gauge(
             "inferlb_worker_cpu_utilization", "Process CPU use as a fraction (0..1) of its allotted cores.", registry=r
@@ -147,6 +152,12 @@ class WorkerMetrics:
 
     def queue_depth(self, items: int) -> None:
         self.queue_depth_gauge.set(items)
+
+    def inputs_cancelled(self, items: int) -> None:
+        self.cancelled_inputs.inc(items)
+
+    def deadline_missed(self) -> None:
+        self.deadline_misses.inc()
 
     # periodic
     def sample_load(self, batch_cost: tuple[float, float]) -> None:

@@ -16,16 +16,18 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import tokenizers
 
-from .batcher import BatchCostModel, Embedded, MicroBatcher, QueueFull
+from .batcher import BatchCostModel, DeadlineExceeded, Embedded, MicroBatcher, Priority, QueueFull
 from .config import WorkerConfig
 from .metrics import WorkerMetrics
 from .protocol import APIError, EmbeddingsRequest, embeddings_response, parse_embeddings_request
+from .request_options import RequestOptions
 
 log = logging.getLogger("inferlb.worker")
 
 # Serialising or tokenising more than this much goes to a thread, off the event loop.
 INLINE_TEXT_CHARS = 8192
 INLINE_RESPONSE_ROWS = 32
+CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer
 WARMUP_TEXTS = ("inferlb warm-up", "load balancing " * 200)
 
 
@@ -41,7 +43,8 @@ class InputScheduler(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embedded: ...
+    async def embed(self, inputs: Sequence[Sequence[int]], *, priority: Priority = Priority.STANDARD,
+                    deadline: float | None = None) -> Embedded: ...
 
 
 class EmbeddingEngine(Protocol):
@@ -182,8 +185,13 @@ class EmbeddingService:
             "endpoint-load-metrics": self.metrics.orca_header(queued=self.batcher.queued, inflight=self.inflight)
         }
 
-    async def embeddings(self, body: bytes) -> Reply:
-        """Serve one ``POST /v1/embeddings`` body; never raises for bad input."""
+    async def embeddings(self, body: bytes, options: RequestOptions | None = None) -> Reply:
+        """Serve one ``POST /v1/embeddings`` body; never raises for bad input.
+
+        Cancelled (the client went away), it records a 499 and re-raises: its
+        queued inputs have left the queue by then.
+        """
+        options = options or RequestOptions()
         started = time.perf_counter()
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
@@ -200,11 +208,19 @@ class EmbeddingService:
                 raise APIError(400, f"'dimensions' must be {self.model.dimensions} for {self.model.name}, "
                                f"got {request.dimensions}", code="invalid_value", param="dimensions")
             inputs = await self._token_ids(request)
+            tokens = sum(len(ids) for ids in inputs)
+            limit = self.config.max_request_tokens
+            if tokens > limit:
+                raise APIError(400, f"the request has {tokens} tokens, over this worker's limit of {limit} per "
+                               f"request; split its inputs into requests of at most {limit} tokens",
+                               code="too_many_tokens", param="input")
             try:
-                result = await self.batcher.embed(inputs)
+                result = await self.batcher.embed(inputs, priority=options.priority, deadline=options.deadline)
             except QueueFull as exc:
                 raise APIError(429, f"worker overloaded: {exc}", type="server_error", code="overloaded") from None
-            tokens = sum(len(ids) for ids in inputs)
+            except DeadlineExceeded as exc:
+                raise APIError(504, f"deadline exceeded: {exc}", type="server_error",
+                               code="deadline_exceeded") from None
             if len(inputs) > INLINE_RESPONSE_ROWS:
                 payload = await asyncio.to_thread(self._serialise, request, result.vectors, tokens)
             else:
@@ -215,6 +231,9 @@ class EmbeddingService:
             if exc.status >= 500:
                 log.warning("request refused", extra={"status": exc.status, "error": exc.message})
             reply = Reply(exc.status, exc.body(), {})
+        except asyncio.CancelledError:
+            self.metrics.request_done(CLIENT_CLOSED, time.perf_counter() - started)
+            raise
         except Exception as exc:  # a bug must cost one request, not the worker
             log.exception("request failed")
             err = APIError(500, f"internal error: {exc}", type="server_error", code="internal_error")

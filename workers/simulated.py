@@ -23,12 +23,12 @@ import queue
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .batcher import BatchCostModel, BatchObserver, Embedded, QueueFull
+from .batcher import BatchCostModel, BatchObserver, DeadlineExceeded, Embedded, Priority, QueueFull
 
 log = logging.getLogger("inferlb.worker")
 
@@ -141,6 +141,7 @@ class _Job:
     future: asyncio.Future[Embedded]
     loop: asyncio.AbstractEventLoop
     enqueued: float
+    deadline: float | None = None  # perf_counter seconds
 
 
 _STOP = None  # the sentinel a slot thread exits on
@@ -201,15 +202,24 @@ class SlotScheduler:
         return self._waiting
 
     # -- submitting ------------------------------------------------------
-    async def embed(self, inputs: Sequence[Sequence[int]]) -> Embedded:
-        """Queue one job for all of ``inputs``; rows come back in input order."""
+    async def embed(self, inputs: Sequence[Sequence[int]], *, priority: Priority = Priority.STANDARD,
+                    deadline: float | None = None) -> Embedded:
+        """Queue one job for all of ``inputs``; rows come back in input order.
+
+        Jobs start in arrival order whatever their ``priority`` (the slots
+        model a FIFO server); a job whose ``deadline`` has passed when a slot
+        takes it is refused with ``DeadlineExceeded`` and costs no slot time.
+        """
+        if deadline is not None and deadline <= time.perf_counter():
+            self.observer.deadline_missed()
+            raise DeadlineExceeded("the request's deadline had passed when it arrived")
         with self._lock:
             if self._waiting >= self.max_queue_items:
                 raise QueueFull(f"{self._waiting} requests already queued (limit {self.max_queue_items})")
             self._waiting += 1
             depth = self._waiting
         loop = asyncio.get_running_loop()
-        job = _Job(inputs, sum(len(i) for i in inputs), loop.create_future(), loop, time.perf_counter())
+        job = _Job(inputs, sum(len(i) for i in inputs), loop.create_future(), loop, time.perf_counter(), deadline)
         self._jobs.put(job)
         self.observer.queue_depth(depth)
         return await job.future  # a cancelled client cancels the future; its slot skips the job
@@ -224,6 +234,11 @@ class SlotScheduler:
                 self._waiting -= 1
                 depth = self._waiting
             if job.future.cancelled():
+                self._settle(lambda: self.observer.inputs_cancelled(len(job.inputs)), job)
+                continue
+            if job.deadline is not None and job.deadline <= time.perf_counter():
+                self._settle(self.observer.deadline_missed, job)
+                self._resolve(job, DeadlineExceeded("the request's deadline passed while it waited for a slot"))
                 continue
             try:
                 result = self._serve(job)
@@ -243,6 +258,14 @@ class SlotScheduler:
         finished = time.perf_counter()
         self.simulation.add_busy(seconds)
         return Embedded(vectors, queue_s=started - job.enqueued, compute_s=finished - started), seconds
+
+    @staticmethod
+    def _settle(call: Callable[[], None], job: _Job) -> None:
+        """Run ``call`` on the job's event loop (the observer is not thread-safe)."""
+        try:
+            job.loop.call_soon_threadsafe(call)
+        except RuntimeError:  # the loop is closed
+            pass
 
     def _resolve(self, job: _Job, outcome: tuple[Embedded, float] | BaseException, depth: int = 0) -> None:
         def settle() -> None:
