@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from inferlb.runtime.http import EmbeddedServer
 from inferlb.runtime.logs import configure_json_logging
+from inferlb.runtime.plugins import PolicyAllowlist
 from inferlb.runtime.supervision import Supervised
 
 from . import pick_catalogue
@@ -40,23 +41,24 @@ from .xds import SnapshotCache, serve_xds, stop_xds
 log = logging.getLogger("inferlb.control_plane")
 
 
-def restored_policies(stored: OperatorState) -> tuple[WeightPolicy | None, OperatorState]:
+def restored_policies(stored: OperatorState, allow: PolicyAllowlist) -> tuple[WeightPolicy | None, OperatorState]:
     """The stored weight policy, built, and ``stored`` without a pick policy that no longer validates.
 
-    A stored policy this version cannot build (renamed, a parameter gone) is logged as an error and
-    not applied (the config's is used); its row stays in the database until the next PUT /v1/policy.
+    A stored policy this version cannot build (renamed, a parameter gone, or no longer allowed by
+    ``allow``: the store is not a way around the allowlist) is logged as an error and not applied (the
+    config's is used); its row stays in the database until the next PUT /v1/policy.
     """
     weight = None
     if stored.weight_policy is not None:
         try:
-            weight = make_weight_policy(stored.weight_policy.name, stored.weight_policy.params)
+            weight = make_weight_policy(stored.weight_policy.name, stored.weight_policy.params, allow)
             log.info("weight policy restored from the store (it beats the config's)",
                      extra={"weight_policy": weight.name})
         except (ValueError, TypeError) as exc:
             log.error("stored weight policy not applied: using the config's", extra={"error": str(exc)})
     if stored.pick_policy is not None:
         try:
-            pick_catalogue.validate_pick_params(stored.pick_policy.name, stored.pick_policy.params)
+            pick_catalogue.validate_pick_params(stored.pick_policy.name, stored.pick_policy.params, allow)
         except ValueError as exc:  # UnknownPickPolicy and pydantic's ValidationError
             log.error("stored pick policy not applied: using the default", extra={"error": str(exc)})
             stored = dataclasses.replace(stored, pick_policy=None)
@@ -86,7 +88,7 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     controller_ref: list[Controller] = []
     metrics = ControlPlaneMetrics(lambda: controller_ref[0].state)
     # The operator's state is in the initial state: the first push already carries pins, drains, policy.
-    weight_policy, stored = restored_policies(stored or OperatorState())
+    weight_policy, stored = restored_policies(stored or OperatorState(), config.policy_allowlist)
     controller = Controller(config, cache, metrics, restore(initial_state(config), stored), weight_policy)
     controller_ref.append(controller)
     await controller.start()
@@ -173,7 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--xds-port", type=int, help="ADS gRPC port (default 18000)")
     p.add_argument("--admin-port", type=int, help="admin HTTP port: the admin REST API /v1, /docs, /metrics, /healthz, /readyz (default 8080)")
     p.add_argument("--scrape-interval", dest="scrape_interval_s", type=float, help="seconds (default 0.5)")
-    p.add_argument("--weight-policy", help="capacity (default) or equal")
+    p.add_argument("--weight-policy", help="capacity (default), equal, an inferlb.policies entry point, or an "
+                                           "allowed module:attribute")
+    p.add_argument("--allow-policy-module", dest="allowed_policy_modules", action="append", metavar="PREFIX",
+                   help="let module:attribute policies load from this module or below it (repeat for more; "
+                        "default: none)")
     p.add_argument("--data-dir", type=Path,
                    help="operator state (control-plane.db) and the admin token (default $INFERLB_DATA_DIR "
                         "or ./.inferlb)")
@@ -195,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides["nginx"] = {"enabled": args.dataplane == "nginx"}
     try:
         config = load_config(args.config, overrides)
-        make_weight_policy(config.weight_policy, config.weight_params)  # refuse a bad policy up front
+        make_weight_policy(config.weight_policy, config.weight_params,
+                           config.policy_allowlist)  # refuse a bad policy up front
     except (ValidationError, ValueError, OSError) as exc:
         print(f"python -m control_plane: invalid configuration:\n{exc}", file=sys.stderr)
         return 2

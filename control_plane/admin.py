@@ -48,6 +48,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlb.runtime import plugins
+from inferlb.runtime.plugins import PolicyAllowlist
 from inferlb.runtime.supervision import Supervised
 
 from . import pick_catalogue
@@ -63,6 +64,7 @@ from .api_models import (
     NackOut,
     NginxFailureOut,
     NginxServerOut,
+    NON_FINITE,
     NginxStatusOut,
     PolicyState,
     PolicyUpdate,
@@ -394,14 +396,15 @@ class AdminService:
         weight_policy: WeightPolicy | None = None
         pick: PickPolicySpec | None = None
         stored: dict[PolicyKind, StoredPolicy] = {}
+        allow = self.controller.config.policy_allowlist
         if update.weight is not None:
-            weight_policy = build_weight_policy(update.weight.name, update.weight.params)
+            weight_policy = build_weight_policy(update.weight.name, update.weight.params, allow)
             stored["weight"] = StoredPolicy(update.weight.name, dict(update.weight.params))
         if update.pick is not None:
             try:
-                params = pick_catalogue.validate_pick_params(update.pick.name, update.pick.params)
+                params = pick_catalogue.validate_pick_params(update.pick.name, update.pick.params, allow)
             except pick_catalogue.UnknownPickPolicy as exc:
-                raise ApiError(400, "unknown_policy", str(exc), {"available": sorted(pick_catalogue.CATALOGUE)})
+                raise ApiError(400, "unknown_policy", str(exc), available_policies("pick", allow)) from None
             except ValidationError as exc:
                 raise ApiError(422, "invalid_params", f"bad parameters for pick policy {update.pick.name!r}",
                                _validation_detail(exc)) from None
@@ -449,33 +452,42 @@ class AdminService:
             return self.controller.state != state_before or self.controller.policy is not policy_before
 
     def _apply_stored_policies(self, stored: OperatorState) -> OperatorState:
-        """Switch to a changed stored weight policy; ``stored`` without a pick policy that does not validate."""
+        """Switch to a changed stored weight policy; ``stored`` without a pick policy that does not validate
+        (or is not allowed here: another replica's store rows are no way around this one's allowlist)."""
+        allow = self.controller.config.policy_allowlist
         if stored.weight_policy is not None and stored.weight_policy != self._weight_stored:
             self._weight_stored = stored.weight_policy
             try:
                 self.controller.set_policy(make_weight_policy(stored.weight_policy.name,
-                                                              stored.weight_policy.params))
+                                                              stored.weight_policy.params, allow))
                 log.info("weight policy changed by another replica", extra={"weight_policy": stored.weight_policy.name})
             except (ValueError, TypeError) as exc:
                 log.error("stored weight policy not applied: keeping the current one", extra={"error": str(exc)})
         if stored.pick_policy is not None:
             try:
-                pick_catalogue.validate_pick_params(stored.pick_policy.name, stored.pick_policy.params)
+                pick_catalogue.validate_pick_params(stored.pick_policy.name, stored.pick_policy.params, allow)
             except ValueError as exc:
                 log.error("stored pick policy not applied: keeping the current one", extra={"error": str(exc)})
                 stored = dataclasses.replace(stored, pick_policy=None)
         return stored
 
 
-def build_weight_policy(name: str, params: Mapping[str, Any]) -> WeightPolicy:
-    """A weight policy from the API's ``{name, params}``: 400 when the name leads to no policy,
-    422 when its parameters are wrong (a built-in's, or a ``BadPolicyParams`` from a user policy)."""
+def build_weight_policy(name: str, params: Mapping[str, Any], allow: PolicyAllowlist) -> WeightPolicy:
+    """A weight policy from the API's ``{name, params}``: 400 when the name leads to no policy or is not
+    allowed (listing what is), 422 when its parameters are wrong (a built-in's, or a ``BadPolicyParams``)."""
     try:
-        return make_weight_policy(name, params)
+        return make_weight_policy(name, params, allow)
     except (ValueError, TypeError) as exc:
-        if name in builtin_weight_policies() or type(exc).__name__ == "BadPolicyParams":
+        if name in builtin_weight_policies() or isinstance(exc, plugins.BadPolicyParams):
             raise ApiError(422, "invalid_params", str(exc)) from None
-        raise ApiError(400, "unknown_policy", str(exc), {"available": sorted(builtin_weight_policies())}) from None
+        raise ApiError(400, "unknown_policy", str(exc), available_policies("weight", allow)) from None
+
+
+def available_policies(kind: plugins.Kind, allow: PolicyAllowlist) -> dict[str, Any]:
+    """The ``detail`` of an unknown or refused policy name: what may be named instead."""
+    builtins = builtin_weight_policies() if kind == "weight" else pick_catalogue.CATALOGUE
+    return {"available": sorted(builtins), "entry_points": sorted(plugins.entry_point_objects(kind)),
+            "allowed_module_prefixes": list(allow.module_prefixes)}
 
 
 # --- the app -------------------------------------------------------------------------------------------
@@ -554,7 +566,7 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        if any(err.get("type") == "json_invalid" for err in errors):
+        if any(err.get("type") in ("json_invalid", NON_FINITE) for err in errors):
             return error_response(400, "invalid_json", "the body is not valid JSON", _validation_detail(exc))
         return error_response(422, "validation_error", "the request does not match the schema",
                               _validation_detail(exc))

@@ -7,6 +7,7 @@ answers cannot drift apart.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -18,6 +19,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from .model import MAX_WEIGHT, MIN_WEIGHT, normalise_address
 
@@ -30,6 +32,21 @@ def _integral(value: Any) -> Any:
 
 
 Integer = Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+NON_FINITE = "non_finite_number"  # the validation error the admin API answers 400 (invalid JSON), not 422
+
+
+def first_non_finite(value: Any, where: str = "") -> str | None:
+    """The path of the first NaN or infinite float in a JSON-ish value, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "."
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = first_non_finite(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 class _Request(BaseModel):
@@ -121,6 +138,15 @@ class PolicyChoice(_Request):
     params: dict[str, Any] = Field(default_factory=dict,
                                    description="the policy's parameters (see its params_schema); "
                                                "those not given take their defaults")
+
+    @field_validator("params")
+    @classmethod
+    def _finite(cls, value: dict[str, Any]) -> dict[str, Any]:
+        where = first_non_finite(value)
+        if where is not None:  # Python's JSON reader takes NaN and Infinity; JSON has neither
+            raise PydanticCustomError(NON_FINITE, "params{where}: NaN and Infinity are not JSON numbers",
+                                      {"where": where})
+        return value
 
 
 class PolicyUpdate(_Request):

@@ -18,7 +18,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from inferlb.runtime.settings import load_layered
+from inferlb.runtime.plugins import PolicyAllowlist
+from inferlb.runtime.settings import PolicyModules, load_layered
 from inferlb.runtime.tls import all_or_none
 
 from .auth import is_loopback
@@ -166,6 +167,10 @@ class ControlPlaneConfig(BaseSettings):
     stale_after_intervals: int = Field(4, ge=1)
     weight_policy: str = "capacity"
     weight_params: dict[str, Any] = Field(default_factory=dict)
+    # module:attribute policies may be named (admin API, config, store) only under these module prefixes,
+    # by whole dotted components; none by default. Weight policies are loaded here; a pick spec is checked
+    # here and again by each ext_proc against its own list. Entry points (inferlb.policies) are always allowed.
+    allowed_policy_modules: PolicyModules = Field(default_factory=list)
     debounce_s: float = Field(0.1, ge=0)
     debounce_max_s: float = Field(1.0, gt=0)
     node_group_key: Literal["cluster", "id"] = "cluster"
@@ -226,6 +231,10 @@ class ControlPlaneConfig(BaseSettings):
         if self.xds_allowed_node_clusters is not None:
             return frozenset(self.xds_allowed_node_clusters)
         return frozenset({ENVOY_NODE_CLUSTER, self.data_plane.ext_proc_node_cluster})
+
+    @property
+    def policy_allowlist(self) -> PolicyAllowlist:
+        return PolicyAllowlist(tuple(self.allowed_policy_modules))
 
     @field_validator("discovery_dns", mode="before")
     @classmethod

@@ -89,8 +89,8 @@ class Controller:
         self.cache = cache
         self.metrics = metrics
         self.state = state if state is not None else initial_state(config)
-        self.policy: WeightPolicy = policy if policy is not None else make_weight_policy(config.weight_policy,
-                                                                                         config.weight_params)
+        self.policy: WeightPolicy = policy if policy is not None else make_weight_policy(
+            config.weight_policy, config.weight_params, config.policy_allowlist)
         self.epoch = make_epoch()
         self.snapshot: Snapshot | None = None  # the Envoys' (the cache's default)
         self.ext_proc_snapshot: Snapshot | None = None

@@ -2,7 +2,7 @@
 summaries and parameter schemas, to list them and validate ``PUT /v1/policy``.
 
 Why a catalogue and not an import: the services never import each other
-(DESIGN.md), and a pick policy reaches ext_proc as EDS metadata only. Why not
+(docs/design.md), and a pick policy reaches ext_proc as EDS metadata only. Why not
 validate lazily in ext_proc: an operator should get a 4xx naming the bad
 parameter at once, not a silent fallback in every ext_proc replica later.
 The cost is that this file mirrors ``ext_proc/policies.py``; a test
@@ -10,22 +10,25 @@ The cost is that this file mirrors ``ext_proc/policies.py``; a test
 parameters or defaults. Ranges here may be stricter than ext_proc's (numbers
 travel as doubles in the metadata, so integers stay below 2**53).
 
-A name that is not built in but looks like ``module:attribute`` (a user
-policy, loaded by ext_proc) is passed through with its parameters unchecked:
-only ext_proc can import it.
+A name that is not built in must be an installed ``inferlb.policies``
+entry point of kind ``pick``, or a ``module:attribute`` spec under a module
+prefix the control plane's allowlist names (checked on the string: the
+control plane never imports a pick spec). Its parameters go to ext_proc
+unchecked but JSON-clean (finite numbers): only ext_proc can import it, and
+it checks the spec against its own allowlist again.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from inferlb.runtime import plugins
+
 MAX_SEED = 2**53
-USER_POLICY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 class _Params(BaseModel):
@@ -86,17 +89,20 @@ class UnknownPickPolicy(ValueError):
     pass
 
 
-def validate_pick_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+def validate_pick_params(name: str, params: Mapping[str, Any],
+                         allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist()) -> dict[str, Any]:
     """The parameters as they go to ext_proc (only those given, validated and typed).
 
-    ``UnknownPickPolicy`` for a name that is neither built in nor ``module:attribute``;
-    pydantic's ``ValidationError`` for bad parameters.
+    ``UnknownPickPolicy`` for a name that is neither built in, nor an installed pick entry point, nor a
+    ``module:attribute`` spec ``allow`` allows (the message lists what is); pydantic's ``ValidationError``
+    for bad parameters.
     """
     info = CATALOGUE.get(name)
     if info is None:
-        if USER_POLICY.match(name):
+        if plugins.is_spec(name) and allow.allows(name) or name in plugins.entry_point_objects("pick"):
             return dict(params)
-        raise UnknownPickPolicy(f"unknown pick policy {name!r}; built in: {', '.join(sorted(CATALOGUE))}")
+        why = "is not allowed" if plugins.is_spec(name) else "is unknown"
+        raise UnknownPickPolicy(f"pick policy {name!r} {why}; {plugins.allowed_names('pick', CATALOGUE, allow)}")
     validated = info.params.model_validate(dict(params))
     return {key: getattr(validated, key) for key in params}
 

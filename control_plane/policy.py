@@ -30,7 +30,7 @@ import typing
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Mapping, Protocol
 
-from inferlb.runtime.plugins import BadPolicyParams
+from inferlb.runtime.plugins import BadPolicyParams, PolicyAllowlist
 
 from .model import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, Endpoint, Health, Telemetry
 from .telemetry import is_stale
@@ -333,9 +333,10 @@ def parse_params(policy: str, params_cls: type, raw: Mapping[str, object]) -> ob
         raise ValueError(f"weight policy {policy!r}: {exc}") from None
 
 
-def make_weight_policy(name: str, params: Mapping[str, object] | None = None) -> WeightPolicy:
+def make_weight_policy(name: str, params: Mapping[str, object] | None = None,
+                       allow: PolicyAllowlist = PolicyAllowlist()) -> WeightPolicy:
     """Build a policy: a built-in by name, else a user policy (an ``inferlb.policies`` entry point or a
-    ``module:attribute`` spec, see ``policy_loading``).
+    ``module:attribute`` spec under a module prefix ``allow`` names, see ``policy_loading``).
 
     ``ValueError`` with a clear message on any bad input: ``PolicyNotFound`` for a name that leads to no
     weight policy, ``BadPolicyParams`` for bad parameters (both from ``inferlb.runtime.plugins``).
@@ -345,7 +346,7 @@ def make_weight_policy(name: str, params: Mapping[str, object] | None = None) ->
     if cls is None:
         from .policy_loading import load_weight_policy  # imports this module
 
-        return load_weight_policy(name, params)
+        return load_weight_policy(name, params, allow)
     try:
         return cls(parse_params(name, cls.Params, params or {}))
     except ValueError as exc:

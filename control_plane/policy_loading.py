@@ -3,8 +3,9 @@
 **Loading.** ``make_weight_policy(name, params)`` (``policy.py``) builds a
 built-in by name and hands any other name here: a name registered in the
 ``inferlb.policies`` entry-point group (whose object declares
-``kind = "weight"``) or a ``module:attribute`` spec (a class or factory; see
-``inferlb.runtime.plugins`` for how parameters are validated).
+``kind = "weight"``) or a ``module:attribute`` spec under a module prefix the
+operator allows (a class; see ``inferlb.runtime.plugins`` for the checks and
+how parameters are validated).
 ``describe_weight_policies()`` lists what can be chosen, with each one's
 parameter schema, for ``GET /v1/policy``.
 
@@ -52,21 +53,19 @@ REASONS = ("error", "bad_type", "unknown_endpoint", "missing_endpoint", "bad_wei
 # --- loading ----------------------------------------------------------------------------------------
 
 
-def load_weight_policy(name: str, params: Mapping[str, Any] | None = None) -> WeightPolicy:
-    """A user weight policy by entry-point name or ``module:attribute``, built with validated ``params``.
+def load_weight_policy(name: str, params: Mapping[str, Any] | None = None,
+                       allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist()) -> WeightPolicy:
+    """A user weight policy by entry-point name or allowed ``module:attribute``, built with validated ``params``.
 
-    ``plugins.PolicyNotFound`` (a ValueError: answer 400) when the name leads to no weight policy,
-    ``plugins.BadPolicyParams`` (a ValueError: answer 422) when its parameters are wrong.
+    ``plugins.PolicyNotFound`` (a ValueError: answer 400, listing what may be named) when the name leads
+    to no weight policy or is not allowed, ``plugins.BadPolicyParams`` (a ValueError: answer 422) when its
+    parameters are wrong.
     """
     try:
-        obj, _ = plugins.resolve("weight", name)
+        obj, _ = plugins.resolve("weight", name, allow)
     except plugins.PolicyNotFound as exc:
-        if plugins.is_spec(name):
-            raise
-        builtins = ", ".join(sorted(builtin_weight_policies()))
         raise plugins.PolicyNotFound(
-            f"{exc}; built in: {builtins}; or a policy registered in the {plugins.GROUP!r} entry-point group, "
-            f"or a module:attribute spec") from None
+            f"{exc}; {plugins.allowed_names('weight', builtin_weight_policies(), allow)}") from None
     return plugins.instantiate("weight", name, obj, params)
 
 

@@ -52,7 +52,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
     servicer = ExtProcServicer.create(
         ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
                         response_headers=config.response_headers, max_body_bytes=config.max_body_bytes),
-        xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params))
+        xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params), config.policy_allowlist)
     holder.append(servicer)
     health = HealthReporter(xds)
     grpc_server = await serve_grpc(servicer, health, config.grpc_target, config.grpc_max_message_bytes,
@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-id", help="xDS node id (default ext-proc-<hostname>-<pid>)")
     p.add_argument("--node-cluster", help="xDS node cluster (default inferlb-ext-proc: the rich EDS)")
     p.add_argument("--pick-policy", help="policy until EDS names one (default least_completion_time)")
+    p.add_argument("--allow-policy-module", dest="allowed_policy_modules", action="append", metavar="PREFIX",
+                   help="let module:attribute pick policies (from the config or EDS) load from this module or "
+                        "below it (repeat for more; default: none)")
     p.add_argument("--reuse-port", action="store_true", default=None,
                    help="share the gRPC port with other ext_proc processes (SO_REUSEPORT; give each its own "
                         "--metrics-port or 0)")
@@ -131,7 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {k: v for k, v in vars(args).items() if k != "config"}
     try:
         config = load_config(args.config, overrides)
-        make_pick_policy(config.pick_policy, config.pick_params)  # refuse a bad policy up front
+        make_pick_policy(config.pick_policy, config.pick_params,
+                         config.policy_allowlist)  # refuse a bad policy up front
         packaged_tokenizer_path()  # and a missing model package (tokens are counted with its tokenizer)
         tls = xds_tls(config)  # and unusable TLS files (TlsConfigError is a ValueError)
     except (ValidationError, ValueError, OSError) as exc:

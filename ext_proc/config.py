@@ -19,7 +19,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from inferlb.runtime.settings import load_layered
+from inferlb.runtime.plugins import PolicyAllowlist
+from inferlb.runtime.settings import PolicyModules, load_layered
 from inferlb.runtime.tls import all_or_none
 
 MIB = 1024 * 1024
@@ -65,6 +66,9 @@ class ExtProcConfig(BaseSettings):
     # Until the first EDS names one (and when EDS names none). Retry fallbacks are a policy param.
     pick_policy: str = "least_completion_time"
     pick_params: dict[str, Any] = Field(default_factory=dict)
+    # module:attribute pick policies (from the config or EDS) load only under these module prefixes, by
+    # whole dotted components; none by default. Entry points (inferlb.policies) are always allowed.
+    allowed_policy_modules: PolicyModules = Field(default_factory=list)
     # Envoy buffers up to this much body (its route's request_body_buffer_limit) and sends it
     # in one gRPC message; gRPC must accept that message plus the headers around it. A stream whose
     # body goes over it (in one message or in chunks) gets a 413 at once: nothing is buffered past it.
@@ -90,6 +94,10 @@ class ExtProcConfig(BaseSettings):
         if not self.node_id:
             self.node_id = default_node_id()
         return self
+
+    @property
+    def policy_allowlist(self) -> PolicyAllowlist:
+        return PolicyAllowlist(tuple(self.allowed_policy_modules))
 
     @property
     def grpc_target(self) -> str:

@@ -3,7 +3,8 @@
 **Loading.** ``make_pick_policy(name, params)`` (``policies.py``) builds a
 built-in by name and hands any other name here: a name registered in the
 ``inferlb.policies`` entry-point group (whose object declares
-``kind = "pick"``) or a ``module:attribute`` spec. The control plane never
+``kind = "pick"``) or a ``module:attribute`` spec under a module prefix
+ext_proc's own configuration allows (``allowed_policy_modules``). The control plane never
 imports the policy for ext_proc: it sends ``{name, params}`` in EDS metadata
 and each ext_proc builds it here. ``describe_pick_policies()`` lists what can
 be chosen, with each one's parameter schema.
@@ -54,21 +55,18 @@ FailureObserver = Callable[[str, str], None]  # (policy name, reason)
 # --- loading ----------------------------------------------------------------------------------------
 
 
-def load_pick_policy(name: str, params: Mapping[str, Any] | None = None) -> PickPolicy:
-    """A user pick policy by entry-point name or ``module:attribute``, built with validated ``params`` and
-    wrapped in a :class:`ContainedPickPolicy`.
+def load_pick_policy(name: str, params: Mapping[str, Any] | None = None,
+                     allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist()) -> PickPolicy:
+    """A user pick policy by entry-point name or allowed ``module:attribute``, built with validated
+    ``params`` and wrapped in a :class:`ContainedPickPolicy`.
 
-    ``plugins.PolicyNotFound`` or ``plugins.BadPolicyParams`` (both ValueError) with a clear message.
+    ``plugins.PolicyNotFound`` (listing what may be named) or ``plugins.BadPolicyParams`` (both ValueError).
     """
     try:
-        obj, _ = plugins.resolve("pick", name)
+        obj, _ = plugins.resolve("pick", name, allow)
     except plugins.PolicyNotFound as exc:
-        if plugins.is_spec(name):
-            raise
-        builtins = ", ".join(sorted(builtin_pick_policies()))
         raise plugins.PolicyNotFound(
-            f"{exc}; built-in: {builtins}; or a policy registered in the {plugins.GROUP!r} entry-point group, "
-            f"or a module:attribute spec") from None
+            f"{exc}; {plugins.allowed_names('pick', builtin_pick_policies(), allow)}") from None
     return ContainedPickPolicy(plugins.instantiate("pick", name, obj, params), name)
 
 

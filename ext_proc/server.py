@@ -48,6 +48,7 @@ if a policy reads them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
@@ -69,6 +70,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from inferlb.runtime.hostport import id_of_authority
+from inferlb.runtime.plugins import PolicyAllowlist
 
 from .cost import CostModel, parse_orca, parse_server_timing, service_seconds
 from .metrics import ExtProcMetrics, LiveState
@@ -370,13 +372,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     @classmethod
     def create(cls, settings: ServiceSettings, source: ViewSource, metrics: ExtProcMetrics,
                counter: TokenCounter, default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
-               ) -> "ExtProcServicer":
+               allow: PolicyAllowlist = PolicyAllowlist()) -> "ExtProcServicer":
         """The servicer with a fresh cost model, outstanding ledger and picker (``default_policy`` until
-        EDS names one; a bad default raises ValueError here, at start-up)."""
+        EDS names one; a bad default raises ValueError here, at start-up). Only built-ins, entry points and
+        specs under ``allow``'s module prefixes are loaded, whatever EDS names."""
         cost, outstanding = CostModel(), Outstanding()
-        picker = Picker(make_pick_policy(default_policy.name, dict(default_policy.params)), cost, outstanding,
+        factory = functools.partial(make_pick_policy, allow=allow)
+        picker = Picker(factory(default_policy.name, dict(default_policy.params)), cost, outstanding,
                         failure_observer=metrics.policy_failure)
-        servicer = cls(settings, source, counter, cost, outstanding, picker, metrics)
+        servicer = cls(settings, source, counter, cost, outstanding, picker, metrics, factory)
         servicer.policy_spec = default_policy
         return servicer
 
@@ -389,7 +393,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     # -- EDS updates ----------------------------------------------------------
     def on_view(self, view: EndpointView) -> None:
-        """A new view: forget departed endpoints' fits; switch the pick policy if EDS names another one."""
+        """A new view: forget departed endpoints' fits; switch the pick policy if EDS names another one
+        (one this replica may load: else the refusal is logged once, counted, and the current one stays)."""
         self.cost.retain(set(view.by_id))
         self.metrics.retain_endpoints(view.by_id.keys())
         self.picker.set_partition(*view.partition)

@@ -20,10 +20,12 @@ from ext_proc.model import Candidate, EndpointInfo, RequestView
 from ext_proc.outstanding import Outstanding
 from ext_proc.picker import Picker
 from ext_proc.policies import make_pick_policy
+from inferlb.runtime.plugins import PolicyAllowlist
 from inferlb.runtime.plugins import BadPolicyParams
 
 STICKY = "examples.policies.sticky_session:StickySessionPolicy"
 CANARY = "examples.policies.canary:CanaryWeightPolicy"
+EXAMPLES = PolicyAllowlist(("examples.policies",))
 
 # --- sticky sessions ------------------------------------------------------------------------------
 
@@ -122,7 +124,7 @@ def test_on_a_large_fleet_only_the_sessions_top_choices_and_a_sample_are_costed(
 
 
 def test_sticky_through_the_picker_loaded_by_spec() -> None:
-    policy = make_pick_policy(STICKY, {"seed": 3})
+    policy = make_pick_policy(STICKY, {"seed": 3}, EXAMPLES)
     picker = Picker(policy, CostModel(), Outstanding())
     primaries = {picker.decide(request("abc"), FLEET).primary for _ in range(20)}
     assert len(primaries) == 1
@@ -131,10 +133,10 @@ def test_sticky_through_the_picker_loaded_by_spec() -> None:
 
 def test_sticky_params_are_validated() -> None:
     with pytest.raises(BadPolicyParams, match="load_factor must be in"):
-        make_pick_policy(STICKY, {"load_factor": 0.5})
+        make_pick_policy(STICKY, {"load_factor": 0.5}, EXAMPLES)
     with pytest.raises(BadPolicyParams, match="lower-case header"):
-        make_pick_policy(STICKY, {"header": "X-Session-Id"})
-    assert make_pick_policy(STICKY, {"header": "x-user"}).params.header == "x-user"
+        make_pick_policy(STICKY, {"header": "X-Session-Id"}, EXAMPLES)
+    assert make_pick_policy(STICKY, {"header": "x-user"}, EXAMPLES).params.header == "x-user"
 
 
 # --- canary ---------------------------------------------------------------------------------------
@@ -214,10 +216,10 @@ def test_unroutable_others_do_not_count_and_a_lone_canary_keeps_its_weight() -> 
 
 def test_canary_params_are_validated() -> None:
     with pytest.raises(BadPolicyParams, match="endpoint must be host:port"):
-        make_weight_policy(CANARY, {"endpoint": "nohost"})
+        make_weight_policy(CANARY, {"endpoint": "nohost"}, EXAMPLES)
     with pytest.raises(BadPolicyParams, match=r"share must be in \(0, 0.5\]"):
-        make_weight_policy(CANARY, {"endpoint": CANARY_ID, "share": 0})
-    policy = make_weight_policy(CANARY, {"endpoint": CANARY_ID, "share": 0.1})
+        make_weight_policy(CANARY, {"endpoint": CANARY_ID, "share": 0}, EXAMPLES)
+    policy = make_weight_policy(CANARY, {"endpoint": CANARY_ID, "share": 0.1}, EXAMPLES)
     assert isinstance(policy, CanaryWeightPolicy) and policy.params.share == 0.1
 
 
@@ -234,7 +236,8 @@ def test_the_control_plane_runs_the_canary_policy_from_its_command_line(tmp_path
         canary_id = workers[0].id
         params = json.dumps({"endpoint": canary_id, "share": 0.1})
         with running_control_plane(tmp_path, endpoints=[w.id for w in workers], weight_policy=CANARY,
-                                   env={"INFERLB_CP_WEIGHT_PARAMS": params}) as cp:
+                                   env={"INFERLB_CP_WEIGHT_PARAMS": params,
+                                        "INFERLB_CP_ALLOWED_POLICY_MODULES": "examples.policies"}) as cp:
             def canary_share() -> float | None:
                 weights = cp.effective_weights()
                 if len(weights) != 3 or weights[canary_id] == 100:

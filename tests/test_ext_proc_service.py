@@ -33,6 +33,7 @@ from control_plane.model import Endpoint, FleetState, Health, PickPolicySpec as 
 from control_plane.type_urls import ENDPOINT
 from control_plane.xds import Snapshot, SnapshotCache, TypeStatus, make_epoch, serve_xds, stop_xds
 from control_plane.xds.snapshot import Encoded
+from inferlb.runtime.plugins import PolicyAllowlist
 from ext_proc.config import load_config
 from ext_proc.metrics import ExtProcMetrics
 from ext_proc.model import EndpointInfo
@@ -85,10 +86,11 @@ class Harness:
 @asynccontextmanager
 async def serving(counter: TokenCounter, view: EndpointView | None = None,
                   default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
-                  settings: ServiceSettings = ServiceSettings()) -> AsyncIterator[Harness]:
+                  settings: ServiceSettings = ServiceSettings(),
+                  allow: PolicyAllowlist = PolicyAllowlist()) -> AsyncIterator[Harness]:
     """The real gRPC server (ExternalProcessor + health) on a free port, and a channel to it."""
     source = StaticViewSource(view)
-    servicer = ExtProcServicer.create(settings, source, ExtProcMetrics(), counter, default_policy)
+    servicer = ExtProcServicer.create(settings, source, ExtProcMetrics(), counter, default_policy, allow)
     health = HealthReporter(source)
     target = f"127.0.0.1:{free_port()}"
     server = await serve_grpc(servicer, health, target, 8 * 1024 * 1024)

@@ -229,6 +229,7 @@ def test_the_controller_contains_a_raising_user_policy_and_counts_it() -> None:
 def test_a_user_weight_policy_from_a_spec_runs_contained_in_the_controller() -> None:
     config = ControlPlaneConfig(endpoints=["127.0.0.1:9001", "127.0.0.1:9002"],
                                 weight_policy="examples.policies.canary:CanaryWeightPolicy",
+                                allowed_policy_modules=["examples.policies"],
                                 weight_params={"endpoint": "127.0.0.1:9002", "share": 0.2})
     controller = Controller(config, SnapshotCache())
     controller.on_scrape_results({})
@@ -402,6 +403,7 @@ def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: An
 
     from ext_proc.tokens import TokenCounter
     from ext_proc.xds_client import PickPolicySpec, static_view
+    from inferlb.runtime.plugins import PolicyAllowlist
     from tests.test_ext_proc_service import PICK, exchange, request_body, request_headers, serving, set_headers
 
     (tmp_path / "raising_policy.py").write_text(
@@ -413,7 +415,8 @@ def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: An
     a, b = (EndpointInfo(f"127.0.0.1:{p}", "127.0.0.1", p) for p in (8101, 8102))
 
     async def scenario() -> None:
-        async with serving(TokenCounter.from_package(), static_view([a, b])) as h:
+        async with serving(TokenCounter.from_package(), static_view([a, b]),
+                           allow=PolicyAllowlist(("raising_policy",))) as h:
             h.source.set(static_view([a, b], PickPolicySpec("raising_policy:Raising")))
             assert h.servicer.picker.policy.name == "raising"
             for _ in range(3):

@@ -18,11 +18,12 @@ from examples.policies.sticky_session import StickySessionParams, StickySessionP
 from ext_proc.policies import LeastCompletionTime, make_pick_policy
 from ext_proc.policy_loading import ContainedPickPolicy, describe_pick_policies
 from inferlb.runtime import plugins
-from inferlb.runtime.plugins import BadPolicyParams, PolicyNotFound
+from inferlb.runtime.plugins import BadPolicyParams, PolicyAllowlist, PolicyNotFound
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = "examples.policies.canary:CanaryWeightPolicy"
 STICKY = "examples.policies.sticky_session:StickySessionPolicy"
+EXAMPLES = PolicyAllowlist(("examples",))
 
 USER_MODULE = '''
 """User policies for the loading tests."""
@@ -69,10 +70,8 @@ class Boost:
 
 
 def make_first(**params):
-    """A factory taking any keyword."""
-    policy = FirstPick()
-    policy.extra = params
-    return policy
+    """A factory: not a policy class, so never called."""
+    raise AssertionError("a factory was called")
 
 
 class Nameless:
@@ -104,6 +103,11 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 @pytest.fixture()
+def allow(user_module: str) -> PolicyAllowlist:
+    return PolicyAllowlist(("examples", user_module, f"{user_module}_broken"))
+
+
+@pytest.fixture()
 def entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, user_module: str) -> str:
     """A real distribution on sys.path (a dist-info directory) registering policies in ``inferlb.policies``."""
     dist = tmp_path / "inferlb_test_policies-1.0.dist-info"
@@ -129,7 +133,7 @@ def fleet(*ids: str, weight: int = 100) -> FleetView:
 
 
 def test_a_weight_policy_loads_from_module_attribute_with_validated_params() -> None:
-    policy = make_weight_policy(CANARY, {"endpoint": "10.0.0.1:8000", "share": 0.1})
+    policy = make_weight_policy(CANARY, {"endpoint": "10.0.0.1:8000", "share": 0.1}, EXAMPLES)
     assert isinstance(policy, CanaryWeightPolicy)
     assert policy.params == CanaryParams(endpoint="10.0.0.1:8000", share=0.1)
     assert policy.name == "canary"
@@ -139,7 +143,7 @@ def test_a_weight_policy_loads_from_module_attribute_with_validated_params() -> 
 
 def test_a_pick_policy_loads_from_module_attribute_contained_with_json_ish_params() -> None:
     # Numbers in xDS metadata arrive as doubles: 1.0 is a fine integer.
-    policy = make_pick_policy(STICKY, {"fallbacks": 1.0, "load_factor": 2, "seed": 7.0})
+    policy = make_pick_policy(STICKY, {"fallbacks": 1.0, "load_factor": 2, "seed": 7.0}, EXAMPLES)
     assert isinstance(policy, ContainedPickPolicy)
     assert isinstance(policy.inner, StickySessionPolicy)
     assert policy.params == StickySessionParams(fallbacks=1, load_factor=2.0, seed=7)
@@ -148,27 +152,58 @@ def test_a_pick_policy_loads_from_module_attribute_contained_with_json_ish_param
     assert type(make_pick_policy("least_completion_time")) is LeastCompletionTime
 
 
-def test_classes_factories_and_instances_load(user_module: str) -> None:
-    double = make_weight_policy(f"{user_module}:DoubleWeight", {"cap": 150.0})
+def test_classes_and_instances_load(user_module: str, allow: PolicyAllowlist) -> None:
+    double = make_weight_policy(f"{user_module}:DoubleWeight", {"cap": 150.0}, allow)
     assert double.compute(fleet("a:1")) == {"a:1": 150} and double.cap == 150
-    boost = make_weight_policy(f"{user_module}:Boost", {"boost": 3})
+    boost = make_weight_policy(f"{user_module}:Boost", {"boost": 3}, allow)
     assert boost.params.boost == 3 and boost.params.mode == "fast"
-    factory = make_pick_policy(f"{user_module}:make_first", {"anything": "goes"})
-    assert factory.inner.extra == {"anything": "goes"}
-    ready = make_pick_policy(f"{user_module}:ready_made")
+    ready = make_pick_policy(f"{user_module}:ready_made", allow=allow)
     assert ready.inner.name == "first"
-    nameless = make_pick_policy(f"{user_module}:Nameless")
+    nameless = make_pick_policy(f"{user_module}:Nameless", allow=allow)
     assert nameless.name == f"{user_module}:Nameless"  # labelled by its spec in metrics and logs
+    with pytest.raises(PolicyNotFound, match=r"not a pick policy: a class whose instances have rank\(\)"):
+        make_pick_policy(f"{user_module}:make_first", {"anything": "goes"}, allow)  # a factory is never called
+
+
+def test_nothing_outside_the_allowlist_is_imported_or_called(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             user_module: str) -> None:
+    """Before: any importable callable was imported and called with the caller's params (os:system ran)."""
+    marker = tmp_path / "ran"
+    with pytest.raises(PolicyNotFound, match=r"module 'os' is not under a module prefix the operator allows; "
+                                             r"allowed: built in capacity, equal; .*no module:attribute specs"):
+        make_weight_policy("os:system", {"command": f"touch {marker}"})
+    assert not marker.exists()
+    # A module that would announce its import: refused on the string, never imported.
+    (tmp_path / "loud_policy.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass P:\n    def rank(self, r, c): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PolicyNotFound, match=r"not under a module prefix"):
+        make_pick_policy("loud_policy:P", allow=PolicyAllowlist(("loud",)))  # a prefix is whole components
+    assert not marker.exists() and "loud_policy" not in sys.modules
+    # Allowed, a function is still not a policy: checked before it is called.
+    with pytest.raises(PolicyNotFound, match=r"not a weight policy: a class whose instances have compute\(\)"):
+        make_weight_policy("os:system", {"command": f"touch {marker}"}, PolicyAllowlist(("os",)))
+    assert not marker.exists()
+    with pytest.raises(PolicyNotFound, match=r"not a pick policy"):
+        make_pick_policy("os.path:join", allow=PolicyAllowlist(("os",)))
+    with pytest.raises(ValueError, match=r"not a dotted module name"):
+        PolicyAllowlist(("os system",))
+
+
+def test_the_allowlist_matches_whole_module_components() -> None:
+    allow = PolicyAllowlist(("acme.lb",))
+    assert allow.allows("acme.lb:P") and allow.allows("acme.lb.weights:P")
+    assert not allow.allows("acme.lbx:P") and not allow.allows("acme:P") and not allow.allows("acme.l:P")
+    assert not PolicyAllowlist().allows("acme.lb:P")
 
 
 @pytest.mark.parametrize("spec, params, error, message", [
-    ("no_such_package.policies:Policy", {}, PolicyNotFound, r"no module named 'no_such_package'"),
+    ("no_such_package.policies:Policy", {}, PolicyNotFound, r"'no_such_package.policies' is not under a module"),
     ("examples.policies.nope:Policy", {}, PolicyNotFound, r"no module named 'examples.policies.nope'"),
+    ("examples_evil:Policy", {}, PolicyNotFound, r"module 'examples_evil' is not under a module prefix"),
     ("examples.policies.canary:Nope", {}, PolicyNotFound, r"module 'examples.policies.canary' has no attribute 'Nope'"),
     (STICKY, {}, PolicyNotFound, r"is a pick policy, not a weight policy"),
-    ("json:JSONDecodeError", {}, PolicyNotFound, r"class JSONDecodeError has no compute\(\) method"),
-    ("os:sep", {}, PolicyNotFound, r"not a weight policy"),
-    ("fastest", {}, PolicyNotFound, r"unknown weight policy 'fastest'.*capacity, equal.*entry-point group"),
+    ("json:JSONDecodeError", {}, PolicyNotFound, r"'json' is not under a module prefix"),
+    ("fastest", {}, PolicyNotFound, r"unknown weight policy 'fastest'.*capacity, equal.*inferlb.policies"),
     ("not a spec:", {}, PolicyNotFound, r"unknown weight policy"),
     (CANARY, {}, BadPolicyParams, r"missing required parameter\(s\) endpoint"),
     (CANARY, {"endpoint": "a:1", "shar": 0.1}, BadPolicyParams, r"unknown parameter\(s\) shar; accepted: endpoint, share"),
@@ -181,26 +216,29 @@ def test_classes_factories_and_instances_load(user_module: str) -> None:
 ])
 def test_bad_weight_specs_say_what_is_wrong(spec: str, params: object, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
-        make_weight_policy(spec, params)  # type: ignore[arg-type]
+        make_weight_policy(spec, params, EXAMPLES)  # type: ignore[arg-type]
     assert issubclass(error, ValueError)  # callers that catch ValueError keep working
 
 
-def test_bad_user_modules_say_what_is_wrong(user_module: str) -> None:
+def test_bad_user_modules_say_what_is_wrong(user_module: str, allow: PolicyAllowlist) -> None:
     with pytest.raises(PolicyNotFound, match=r"importing '.*_broken' failed: RuntimeError: boom at import"):
-        make_weight_policy(f"{user_module}_broken:Policy")
+        make_weight_policy(f"{user_module}_broken:Policy", allow=allow)
+    with pytest.raises(PolicyNotFound, match=r"json:JSONDecodeError is not a weight policy: class JSONDecodeError "
+                                             r"has no compute\(\)"):
+        make_weight_policy("json:JSONDecodeError", allow=PolicyAllowlist(("json",)))
     with pytest.raises(PolicyNotFound, match=r"NoMethods has no compute\(\)"):
-        make_weight_policy(f"{user_module}:NoMethods")
+        make_weight_policy(f"{user_module}:NoMethods", allow=allow)
     with pytest.raises(BadPolicyParams, match=r"unexpected keyword argument 'speed'.*accepted: cap, floor"):
-        make_weight_policy(f"{user_module}:DoubleWeight", {"speed": 2})
+        make_weight_policy(f"{user_module}:DoubleWeight", {"speed": 2}, allow=allow)
     with pytest.raises(BadPolicyParams, match=r"'boost': expected an integer, got 2.5"):
-        make_weight_policy(f"{user_module}:Boost", {"boost": 2.5})
+        make_weight_policy(f"{user_module}:Boost", {"boost": 2.5}, allow=allow)
     with pytest.raises(BadPolicyParams, match=r"'boost': expected an integer, got True"):
-        make_weight_policy(f"{user_module}:Boost", {"boost": True})
+        make_weight_policy(f"{user_module}:Boost", {"boost": True}, allow=allow)
     with pytest.raises(BadPolicyParams, match=r"ready-made instance and takes no parameters"):
-        make_pick_policy(f"{user_module}:ready_made", {"x": 1})
+        make_pick_policy(f"{user_module}:ready_made", {"x": 1}, allow=allow)
     with pytest.raises(PolicyNotFound, match=r"is a weight policy, not a pick policy"):
-        make_pick_policy(f"{user_module}:Boost")
-    with pytest.raises(PolicyNotFound, match=r"unknown pick policy 'nope'; built-in: least_completion_time"):
+        make_pick_policy(f"{user_module}:Boost", allow=allow)
+    with pytest.raises(PolicyNotFound, match=r"unknown pick policy 'nope'; allowed: built in least_completion_time"):
         make_pick_policy("nope")
     with pytest.raises(BadPolicyParams, match=r"least_completion_time: param 'd' must be >= 1"):
         make_pick_policy("least_completion_time", {"d": 0})
@@ -254,7 +292,7 @@ def test_descriptions_list_builtins_and_entry_points_with_schemas(entry_points: 
 
 
 def test_a_spec_describes_itself() -> None:
-    described = plugins.describe("weight", CANARY, plugins.load_object(CANARY), "spec")
+    described = plugins.describe("weight", CANARY, plugins.resolve("weight", CANARY, EXAMPLES)[0], "spec")
     assert described["params_schema"]["required"] == ["endpoint"]
     assert described["summary"].startswith("One canary worker at a fixed share")
 
@@ -268,7 +306,8 @@ def test_loading_keeps_the_services_apart() -> None:
         import sys
         import control_plane.policy_loading, control_plane.controller
         from inferlb.runtime import plugins
-        plugins.describe("pick", {STICKY!r}, plugins.load_object({STICKY!r}), "spec")
+        allow = plugins.PolicyAllowlist(("examples",))
+        plugins.describe("pick", {STICKY!r}, plugins.resolve("pick", {STICKY!r}, allow)[0], "spec")
         assert not [m for m in sys.modules if m.split(".")[0] == "ext_proc"], "control plane imported ext_proc"
     """)
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
@@ -281,6 +320,10 @@ def test_loading_keeps_the_services_apart() -> None:
 
 
 def test_the_control_plane_command_takes_a_spec_and_refuses_bad_params() -> None:
-    bad = subprocess.run([sys.executable, "-m", "control_plane", "--weight-policy", CANARY], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "control_plane", "--weight-policy", CANARY,
+                          "--allow-policy-module", "examples.policies"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "missing required parameter(s) endpoint" in bad.stderr
+    refused = subprocess.run([sys.executable, "-m", "control_plane", "--weight-policy", CANARY], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "is not under a module prefix the operator allows" in refused.stderr

@@ -27,7 +27,9 @@ by, so the canary's traffic share follows ``share`` closely there; ext_proc's
 load the canary gets roughly, not exactly, ``share``. A pinned weight
 (``PUT /v1/endpoints/{id}/pin``) overrides any policy, this one included.
 
-**Use it.** ``python -m control_plane --weight-policy examples.policies.canary:CanaryWeightPolicy`` with
+**Use it.** Allow its module (``--allow-policy-module examples.policies``, or
+``INFERLB_CP_ALLOWED_POLICY_MODULES=examples.policies``: nothing is allowed by default), then
+``python -m control_plane --weight-policy examples.policies.canary:CanaryWeightPolicy`` with
 ``INFERLB_CP_WEIGHT_PARAMS='{"endpoint": "10.0.0.7:8000", "share": 0.05}'``, or::
 
     curl -X PUT -H "Authorization: Bearer $TOKEN" localhost:8080/v1/policy \\

@@ -25,9 +25,11 @@ behind the others; larger values are stickier, 1.0 is barely sticky.
 microsecond per endpoint): fine for tens or hundreds of workers. Only the
 session's top choices and ``sample`` random others are costed and ranked.
 
-**Use it.** ``python -m ext_proc --pick-policy
-examples.policies.sticky_session:StickySessionPolicy``, or through the
-control plane::
+**Use it.** Allow its module where it runs (``--allow-policy-module
+examples.policies`` for ext_proc, and for the control plane if it is chosen
+through the admin API: nothing is allowed by default), then ``python -m
+ext_proc --pick-policy examples.policies.sticky_session:StickySessionPolicy``,
+or through the control plane::
 
     curl -X PUT -H "Authorization: Bearer $TOKEN" localhost:8080/v1/policy \\
       -d '{"pick": {"name": "examples.policies.sticky_session:StickySessionPolicy",

@@ -1,23 +1,34 @@
 """Loading user policies: ``module:attribute`` specs and the ``inferlb.policies`` entry-point group.
 
 Both services use this module (it imports neither of them): the control plane
-for weight policies, ext_proc for pick policies. What it knows of a policy is
-duck-typed:
+for weight policies, ext_proc for pick policies.
+
+**Only what the operator installed can be named.** A policy name comes from
+the admin API or from EDS metadata, so it is untrusted: it may name an entry
+point of the ``inferlb.policies`` group (installed by the operator), or a
+``module:attribute`` spec whose module lies under a prefix the operator's
+:class:`PolicyAllowlist` names (none by default). The spec string is checked
+before anything is imported, and the object is checked before anything is
+constructed or called: a class whose instances have the kind's method, or
+such an instance. A function such as ``os:system`` is never called.
+
+What it knows of a policy is duck-typed:
 
 * **kind**: ``"weight"`` (has ``compute(view)``) or ``"pick"`` (has
   ``rank(request, candidates)``). An entry point's object must declare it as
   a ``kind`` attribute (that is how one group serves both services); a
   ``module:attribute`` spec may.
-* **construction**: the object is a class or a factory. If it has a
-  ``Params`` attribute that is a dataclass, the raw parameters are validated
-  into it (known names, right types; the dataclass's own ``__post_init__``
-  checks ranges) and it is called with that one value; otherwise it is
-  called with the parameters as keywords, checked against its signature.
-  An object that already is a policy instance is used as is (no parameters).
+* **construction**: the object is a class. If it has a ``Params``
+  attribute that is a dataclass, the raw parameters are validated into it
+  (known names, right types; the dataclass's own ``__post_init__`` checks
+  ranges) and it is constructed with that one value; otherwise with the
+  parameters as keywords, checked against its signature. An object that
+  already is a policy instance is used as is (no parameters).
 
 Every failure is a ``ValueError`` with a message an operator can act on:
 ``PolicyNotFound`` (unknown name, module or attribute, not a policy of that
-kind) or ``BadPolicyParams`` (unknown or ill-typed parameters, a range check).
+kind, not allowed) or ``BadPolicyParams`` (unknown or ill-typed parameters, a
+range check).
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import re
 import time
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 GROUP = "inferlb.policies"
@@ -41,6 +53,7 @@ METHODS: Mapping[str, str] = {"weight": "compute", "pick": "rank"}
 
 _IDENT = r"[A-Za-z_]\w*"
 SPEC = re.compile(rf"^{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*$")
+_MODULE = re.compile(rf"^{_IDENT}(?:\.{_IDENT})*$")
 
 log = logging.getLogger("inferlb.plugins")
 
@@ -51,6 +64,30 @@ class PolicyNotFound(ValueError):
 
 class BadPolicyParams(ValueError):
     """The policy exists; its parameters are wrong (an HTTP 422)."""
+
+
+@dataclass(frozen=True)
+class PolicyAllowlist:
+    """The ``module:attribute`` policies the operator allows: those whose module is one of
+    ``module_prefixes`` or lies under one, by whole dotted components (``acme.lb`` allows ``acme.lb`` and
+    ``acme.lb.weights``, not ``acme.lbx``). Empty, the default: no spec is allowed. Entry points of the
+    ``inferlb.policies`` group are always allowed (installing a package is the operator's act)."""
+
+    module_prefixes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for prefix in self.module_prefixes:
+            if not isinstance(prefix, str) or not _MODULE.match(prefix):
+                raise ValueError(f"policy module prefix {prefix!r} is not a dotted module name (e.g. acme.policies)")
+
+    def allows(self, spec: str) -> bool:
+        module = spec.split(":", 1)[0]
+        return any(module == p or module.startswith(p + ".") for p in self.module_prefixes)
+
+    def describe(self) -> str:
+        if not self.module_prefixes:
+            return "no module:attribute specs (the operator allows none)"
+        return f"module:attribute specs under {', '.join(self.module_prefixes)}"
 
 
 def is_spec(name: object) -> bool:
@@ -131,25 +168,52 @@ def find_entry_point(kind: Kind, name: str) -> Any | None:
     raise PolicyNotFound("; ".join(errors))
 
 
-def resolve(kind: Kind, name: str) -> tuple[Any, str]:
-    """A user policy's object and where it came from (``"entry_point"`` or ``"spec"``); ``PolicyNotFound``."""
+def resolve(kind: Kind, name: str, allow: PolicyAllowlist = PolicyAllowlist()) -> tuple[Any, str]:
+    """A user policy's object and where it came from (``"entry_point"`` or ``"spec"``); ``PolicyNotFound``.
+
+    A spec outside ``allow`` is refused before its module is imported; the object is checked to be a
+    policy of ``kind`` before anyone constructs or calls it.
+    """
     if not isinstance(name, str) or not name:
         raise PolicyNotFound(f"a {kind} policy name must be a non-empty string, got {name!r}")
-    obj = find_entry_point(kind, name) if ":" not in name else None
-    if obj is not None:
+    if ":" not in name:
+        obj = find_entry_point(kind, name)
+        if obj is None:
+            raise PolicyNotFound(f"unknown {kind} policy {name!r}")
+        check_kind(kind, name, obj)
         return obj, "entry_point"
     if not is_spec(name):
         raise PolicyNotFound(f"unknown {kind} policy {name!r}")
+    if not allow.allows(name):
+        raise PolicyNotFound(f"{name}: module {name.split(':', 1)[0]!r} is not under a module prefix the operator "
+                             "allows")
     obj = load_object(name)
+    check_kind(kind, name, obj)
+    return obj, "spec"
+
+
+def allowed_names(kind: Kind, builtins: Iterable[str], allow: PolicyAllowlist) -> str:
+    """What may be named as a ``kind`` policy, for the error an operator reads: built-ins, installed entry
+    points, the allowed module prefixes."""
+    entry_points = sorted(entry_point_objects(kind))
+    return (f"allowed: built in {', '.join(sorted(builtins))}; entry points ({GROUP}) "
+            f"{', '.join(entry_points) or 'none installed'}; {allow.describe()}")
+
+
+def check_kind(kind: Kind, name: str, obj: Any) -> None:
+    """``PolicyNotFound`` unless ``obj`` is a class whose instances have the kind's method, or such an instance
+    (never a function, a module or a class of another kind: nothing here calls it to find out)."""
+    method = METHODS[kind]
     declared = _declared_kind(obj)
     if declared is not None and declared != kind:
         raise PolicyNotFound(f"{name} is a {declared} policy, not a {kind} policy")
-    if not _is_policy(kind, obj) and not callable(obj):
-        raise PolicyNotFound(f"{name} is not a {kind} policy: a class or factory whose instances have "
-                             f"{METHODS[kind]}(), got {type(obj).__name__}")
-    if inspect.isclass(obj) and not callable(getattr(obj, METHODS[kind], None)):
-        raise PolicyNotFound(f"{name} is not a {kind} policy: class {obj.__name__} has no {METHODS[kind]}() method")
-    return obj, "spec"
+    if inspect.isclass(obj):
+        if not callable(getattr(obj, method, None)):
+            raise PolicyNotFound(f"{name} is not a {kind} policy: class {obj.__name__} has no {method}() method")
+        return
+    if isinstance(obj, types.ModuleType) or inspect.isroutine(obj) or not _is_policy(kind, obj):
+        raise PolicyNotFound(f"{name} is not a {kind} policy: a class whose instances have {method}(), or such an "
+                             f"instance, got {type(obj).__name__}")
 
 
 def _is_policy(kind: Kind, obj: Any) -> bool:
@@ -275,6 +339,7 @@ def validate_params(kind: Kind, name: str, obj: Any, raw: Mapping[str, Any] | No
 def instantiate(kind: Kind, name: str, obj: Any, raw: Mapping[str, Any] | None = None) -> Any:
     """Build the policy from its object and raw parameters; checks the result has the kind's method."""
     where = f"{kind} policy {name!r}"
+    check_kind(kind, name, obj)  # never call what is not a policy class
     parsed = validate_params(kind, name, obj, raw)
     if _is_policy(kind, obj):
         return obj
@@ -295,9 +360,10 @@ def instantiate(kind: Kind, name: str, obj: Any, raw: Mapping[str, Any] | None =
     return policy
 
 
-def build(kind: Kind, name: str, params: Mapping[str, Any] | None = None) -> Any:
-    """A user policy (entry point or ``module:attribute``) built with validated ``params``."""
-    obj, _ = resolve(kind, name)
+def build(kind: Kind, name: str, params: Mapping[str, Any] | None = None,
+          allow: PolicyAllowlist = PolicyAllowlist()) -> Any:
+    """A user policy (entry point or allowed ``module:attribute``) built with validated ``params``."""
+    obj, _ = resolve(kind, name, allow)
     return instantiate(kind, name, obj, params)
 
 
@@ -450,7 +516,8 @@ def describe_exception(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
-__all__ = ["GROUP", "BadPolicyParams", "FailureStreak", "LogLimiter", "PolicyNotFound", "build", "dataclass_schema", "describe",
+__all__ = ["GROUP", "BadPolicyParams", "FailureStreak", "LogLimiter", "PolicyAllowlist", "PolicyNotFound", "build",
+           "allowed_names", "check_kind", "dataclass_schema", "describe",
            "describe_entry_points", "entry_point_objects", "find_entry_point", "instantiate", "is_spec",
            "load_object", "params_class", "params_schema", "parse_params", "resolve", "summary",
            "validate_params"]

@@ -5,15 +5,34 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Annotated, Any, Mapping, TypeVar
 
+from pydantic import AfterValidator, BeforeValidator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
 )
 
+from .plugins import PolicyAllowlist
+
 S = TypeVar("S", bound=BaseSettings)
+
+
+def _split_commas(value: Any) -> Any:
+    return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+
+def _module_prefixes(value: list[str]) -> list[str]:
+    PolicyAllowlist(tuple(value))  # ValueError naming a bad prefix
+    return value
+
+
+# A list given as a TOML array, or comma-separated in an environment variable.
+CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split_commas)]
+# The module prefixes under which module:attribute policies may load (a PolicyAllowlist's).
+PolicyModules = Annotated[CommaList, AfterValidator(_module_prefixes)]
 
 
 def load_layered(
