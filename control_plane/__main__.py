@@ -32,6 +32,7 @@ from .metrics import ControlPlaneMetrics
 from .nginx.applier import NginxApplier
 from .nginx.process import NginxError
 from .policy import WeightPolicy, make_weight_policy
+from .replica_activity import watch_replicas
 from .scraper import Scraper, ScraperConfig
 from .serving import TlsConfigError, admin_tls_arguments, warn_plaintext, xds_server_settings
 from .store import OperatorState, OperatorStore, StoreError, open_store, restore
@@ -113,11 +114,13 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
         host=config.admin_address, port=config.admin_port,
         log_config=None, access_log=False, lifespan="off", **admin_tls,
     ))
-    tasks = [
+    loops = [  # cancelled at stop
         asyncio.create_task(scraper.run(lambda: controller.state.endpoints, controller.on_scrape_results),
                             name="scraper"),
-        asyncio.create_task(admin.serve(), name="admin-http"),
+        asyncio.create_task(Supervised("replica-watch", observer=metrics, logger=log).run(
+            lambda: watch_replicas(controller, scraper.config)), name="replica-watch"),
     ]
+    tasks = [*loops, asyncio.create_task(admin.serve(), name="admin-http")]
     discovery = start_discovery(config, controller, metrics, stored.overrides)
     autoscaler = Autoscaler(config.autoscale.settings())  # computed when /metrics is scraped
     metrics.register_autoscale(lambda: autoscaler.observe(controller.state.endpoints, time.monotonic(),
@@ -154,7 +157,8 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     await service.stop()
     await stop_discovery(discovery)
     await controller.stop()
-    tasks[0].cancel()
+    for task in loops:
+        task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     return 1 if failed else 0
 

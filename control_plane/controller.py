@@ -13,7 +13,9 @@ the telemetry and pick-policy metadata). A telemetry-only change leaves the
 Envoys' one unchanged: nothing is pushed to Envoys.
 
 Envoys first: when the Envoys' EDS changed, ext_proc's snapshot is built only
-once every Envoy has acknowledged it (or after ``ENVOYS_FIRST_MAX_WAIT_S``).
+once every Envoy has acknowledged it (or after ``ENVOYS_FIRST_MAX_WAIT_S``;
+an Envoy that misses that deadline is not waited for again until it answers,
+so a client that never ACKs cannot slow every publish).
 Make before break: ext_proc never picks an endpoint its Envoy does not know
 yet (override_host would fall back). And building the rich EDS is pure Python
 that holds the GIL: run while Envoys are being pushed to, it slowed their
@@ -96,6 +98,7 @@ class Controller:
         self.ext_proc_snapshot: Snapshot | None = None
         self.published_state: FleetState | None = None  # the state the Envoys' current snapshot was built from
         self.published_replicas: tuple[str, ...] = ()  # the ext_proc node ids ext_proc's snapshot lists
+        self._active_replicas: frozenset[str] = frozenset()  # those that carried traffic at the last look
         self._memos = (EndpointMemo(), EndpointMemo())  # Envoys', ext_proc's: used under _publish_lock only
         self.published = asyncio.Event()
         self._debouncer = Debouncer(self.publish, delay=config.debounce_s, max_delay=config.debounce_max_s,
@@ -183,8 +186,24 @@ class Controller:
 
     # -- publishing ---------------------------------------------------------
     def ext_proc_replicas(self) -> tuple[str, ...]:
-        """The connected ext_proc replicas' node ids, sorted (as of now; published with the next snapshot)."""
-        return self.cache.node_ids(self.state.settings.ext_proc_node_cluster)
+        """The ext_proc replicas a large fleet is partitioned among, sorted (as of now; published with the
+        next snapshot): the connected ones that carry traffic, or every connected one when none does
+        (``replica_activity``)."""
+        connected = self.cache.node_ids(self.state.settings.ext_proc_node_cluster)
+        active = tuple(node for node in connected if node in self._active_replicas)
+        return active or connected
+
+    def ext_proc_targets(self) -> Mapping[str, tuple[str, int]]:
+        """The connected ext_proc replicas' /metrics (node id -> peer IP, port)."""
+        return self.cache.metrics_targets(self.state.settings.ext_proc_node_cluster)
+
+    def set_active_replicas(self, active: frozenset[str]) -> None:
+        """The replicas that carried traffic since the last look; re-publish when the partitions change."""
+        if active != self._active_replicas:
+            log.info("ext_proc replicas carrying traffic changed", extra={"active": sorted(active)})
+            self._active_replicas = active
+        if self.ext_proc_replicas() != self.published_replicas:
+            self._debouncer.mark()
 
     async def publish(self) -> None:
         """Build and set the Envoys' snapshot, then ext_proc's (metrics: the union of their changes)."""
@@ -207,7 +226,7 @@ class Controller:
             self.published.set()
             seconds = time.perf_counter() - started
             if self.metrics is not None:
-                self.metrics.snapshot_published(changed | ext_proc_changed, seconds)
+                self.metrics.snapshot_published(changed | ext_proc_changed, seconds, self.cache.laggards())
             if changed or ext_proc_changed:
                 log.debug("snapshot published", extra={"changed": sorted(changed),
                                                        "ext_proc_changed": sorted(ext_proc_changed),

@@ -86,6 +86,10 @@ class ControlPlaneMetrics:
         self.acks = Counter("inferlb_cp_xds_acks", "xDS ACKs received.", ["type"], registry=r)
         self.nacks = Counter("inferlb_cp_xds_nacks", "xDS NACKs received.", ["type"], registry=r)
         self.clients = Gauge("inferlb_cp_xds_clients", "Connected xDS streams.", ["mode"], registry=r)
+        self.xds_laggards = Gauge(
+            "inferlb_cp_xds_laggard_streams",
+            "xDS streams that missed the settle deadline and have not answered since: EDS publishes do not "
+            "wait for them.", registry=r)
         self.xds_refused = Counter(
             "inferlb_cp_xds_refused",
             "xDS streams refused at their first request, by reason (node_cluster: not in "
@@ -185,8 +189,9 @@ class ControlPlaneMetrics:
             with contextlib.suppress(KeyError):
                 self.scrapes.remove(endpoint_id, result)
 
-    def snapshot_published(self, changed_types: frozenset[str], seconds: float) -> None:
+    def snapshot_published(self, changed_types: frozenset[str], seconds: float, laggards: int = 0) -> None:
         self.snapshot_build.observe(seconds)
+        self.xds_laggards.set(laggards)
         for type_url in changed_types:
             self.snapshots.labels(type=_type(type_url)).inc()
 

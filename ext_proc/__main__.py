@@ -47,7 +47,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
         target=config.xds_target, node_id=config.node_id, node_cluster=config.node_cluster,
         cluster=config.workers_cluster, delta=config.xds_mode == "delta",
         backoff_initial_s=config.reconnect_initial_s, backoff_max_s=config.reconnect_max_s,
-        tls=tls, tls_server_name=config.xds_tls_server_name,
+        tls=tls, tls_server_name=config.xds_tls_server_name, metrics_port=config.metrics_port,
     ), observer=metrics)
     servicer = ExtProcServicer.create(
         ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,

@@ -62,6 +62,7 @@ class LiveState:
     routable: int = 0
     policy: str = ""
     active_streams: int = 0
+    partition: tuple[int, int] = (0, 1)  # (our index, replicas) as the control plane lists them
 
 
 class _LiveCollector(Collector):
@@ -104,6 +105,10 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}endpoints", "Endpoints in the current view.", value=s.endpoints)
         yield GaugeMetricFamily(f"{PREFIX}routable_endpoints", "Healthy, not draining endpoints in the view.",
                                 value=s.routable)
+        yield GaugeMetricFamily(f"{PREFIX}partition_index", "Our index among the replicas a large fleet is "
+                                "partitioned among (0 when not listed).", value=s.partition[0])
+        yield GaugeMetricFamily(f"{PREFIX}partition_count", "Replicas a large fleet is partitioned among, as "
+                                "the control plane lists them (1: not partitioned).", value=s.partition[1])
         policy = GaugeMetricFamily(f"{PREFIX}pick_policy", "The active pick policy (value 1).", labels=["policy"])
         policy.add_metric([s.policy], 1)
         yield policy

@@ -657,6 +657,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             routable=len(view.routable) if view is not None else 0,
             policy=self.policy_spec.name,
             active_streams=self.active_streams,
+            partition=self.picker.partition,
         )
 
 

@@ -48,6 +48,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
 from inferlb.runtime.tls import PemFiles
+from inferlb.runtime.xds_node import METRICS_PORT_KEY
 
 from .model import EndpointInfo
 
@@ -340,6 +341,9 @@ class XdsClientSettings:
     backoff_max_s: float = 5.0
     tls: PemFiles | None = None  # mTLS: our chain and key, and the CA of the control plane's certificate
     tls_server_name: str | None = None  # the name to check in its certificate (default: the target's host)
+    # Our /metrics port, told to the control plane in the node metadata (0: none): it reads our decision
+    # count there, at the address our stream comes from, to partition among the replicas carrying traffic.
+    metrics_port: int = 0
 
     def channel(self) -> grpc.aio.Channel:
         options = list(_CHANNEL_OPTIONS)
@@ -382,6 +386,8 @@ class XdsClient:
         self._connected_at = 0.0  # time.monotonic() the current stream connected
         self._node = base_pb2.Node(id=settings.node_id, cluster=settings.node_cluster,
                                    user_agent_name=USER_AGENT)
+        if settings.metrics_port:
+            self._node.metadata.fields[METRICS_PORT_KEY].number_value = settings.metrics_port
         self.accepted = 0  # responses ACKed
         self.rejected = 0  # responses NACKed
         self.last_error: str | None = None  # the last NACK's reason

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from control_plane.xds.snapshot import Snapshot
 
 NodeGroup = Callable[[base_pb2.Node], str]
 
+log = logging.getLogger("control_plane.xds.cache")
+
 
 def default_node_group(node: base_pb2.Node) -> str:
     """Envoys of one ``--service-cluster`` share a snapshot; a node without one gets its own id."""
@@ -37,13 +40,15 @@ def default_node_group(node: base_pb2.Node) -> str:
 class Watch:
     """One stream's subscription to its group's snapshot: an event to wake it, and a close flag."""
 
-    __slots__ = ("group", "record", "_wake", "closed", "changed_at")
+    __slots__ = ("group", "record", "_wake", "closed", "changed_at", "lagging")
 
     def __init__(self, group: str, record: StreamRecord, wake: asyncio.Event) -> None:
         self.group = group
         self.record = record
         self._wake = wake
         self.closed = False
+        # Missed a settle deadline and has not answered its last push since: publishes stop waiting for it.
+        self.lagging = False
         # monotonic time of the first snapshot change not yet seen by the stream
         self.changed_at: float | None = None
 
@@ -132,10 +137,14 @@ class SnapshotCache:
     async def wait_default_settled(self, type_url: str, timeout: float) -> bool:
         """Wait, at most ``timeout`` seconds, for :meth:`default_settled`; return whether it is.
 
-        Streams that connect meanwhile are not waited for. Each ACK costs one check
-        (of the first stream still pending), not one per stream.
+        Streams that connect meanwhile are not waited for, nor are laggards: a
+        stream still pending at the deadline is marked lagging and not waited
+        for again until it has answered (ACK or NACK) the last push it was
+        sent. So a client that never ACKs costs one deadline, once, not one
+        per publish. Each ACK costs one check (of the first stream still
+        pending), not one per stream.
         """
-        pending = collections.deque(self._default_unsettled(type_url))
+        pending = collections.deque(self._default_unsettled(type_url, skip_laggards=True))
         version = self._default.version(type_url) if self._default is not None else ""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -147,16 +156,45 @@ class SnapshotCache:
                 return True
             remaining = deadline - loop.time()
             if remaining <= 0:
+                for watch in pending:
+                    if not watch.lagging:
+                        watch.lagging = True
+                        log.warning("xDS client missed the settle deadline: publishes stop waiting for it "
+                                    "until it answers", extra={"node_id": watch.record.node_id,
+                                                               "stream_id": watch.record.stream_id,
+                                                               "type_url": type_url, "timeout_s": timeout})
                 return False
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._progress.wait(), remaining)
 
-    def _default_unsettled(self, type_url: str) -> list[Watch]:
+    def laggards(self) -> int:
+        """Streams publishes do not wait for (see :meth:`wait_default_settled`)."""
+        return sum(1 for watches in self._watches.values() for watch in watches if watch.lagging)
+
+    def _default_unsettled(self, type_url: str, skip_laggards: bool = False) -> list[Watch]:
         if self._default is None:
             return []
         version = self._default.version(type_url)
-        return [watch for group, watches in self._watches.items() if group not in self._snapshots
-                for watch in watches if not self._settled(watch, type_url, version)]
+        unsettled = []
+        for group, watches in self._watches.items():
+            if group in self._snapshots:
+                continue
+            for watch in watches:
+                if self._settled(watch, type_url, version):
+                    watch.lagging = False
+                elif not (skip_laggards and self._still_lagging(watch, type_url)):
+                    unsettled.append(watch)
+        return unsettled
+
+    def _still_lagging(self, watch: Watch, type_url: str) -> bool:
+        """A laggard stays one until it has answered the last push it was sent."""
+        if not watch.lagging:
+            return False
+        status = watch.record.status().types.get(type_url)
+        answered = status is None or status.acked_version == status.sent_version or (
+            status.last_nack is not None and status.last_nack.version == status.sent_version)
+        watch.lagging = not answered
+        return watch.lagging
 
     def _settled(self, watch: Watch, type_url: str, version: str) -> bool:
         if watch not in self._watches.get(watch.group, ()):
@@ -180,6 +218,15 @@ class SnapshotCache:
         """The distinct node ids of ``group``'s connected streams, sorted: ext_proc replicas find their
         index among them (``resources.encode_load_assignment``'s ``replicas``)."""
         return tuple(sorted({w.record.node_id for w in self._watches.get(group, ())}))
+
+    def metrics_targets(self, group: str) -> dict[str, tuple[str, int]]:
+        """Node id -> where its /metrics is (``StreamRecord.metrics_target``), for ``group``'s streams that
+        told one."""
+        targets: dict[str, tuple[str, int]] = {}
+        for watch in sorted(self._watches.get(group, ()), key=lambda w: w.record.stream_id):
+            if watch.record.metrics_target is not None:
+                targets.setdefault(watch.record.node_id, watch.record.metrics_target)
+        return targets
 
     def unwatch(self, watch: Watch) -> None:
         watches = self._watches.get(watch.group)

@@ -115,6 +115,8 @@ class StreamRecord:
     group: str
     mode: Mode
     connected_at: float = field(default_factory=time.time)
+    # ext_proc: where its /metrics is, (the stream's peer IP, the port its node metadata names); else None.
+    metrics_target: tuple[str, int] | None = None
     _types: dict[str, _TypeRecord] = field(default_factory=dict)
 
     def _type(self, type_url: str) -> _TypeRecord:

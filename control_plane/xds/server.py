@@ -83,7 +83,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf.message import Message
 
+from inferlb.runtime.hostport import peer_address
 from inferlb.runtime.tls import PemFiles
+from inferlb.runtime.xds_node import METRICS_PORT_KEY
 
 from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, PUSH_ORDER, ROUTE, SHORT_NAMES
 from control_plane.xds.cache import SnapshotCache, Watch
@@ -189,6 +191,17 @@ class _DeltaState(_TypeState):
 
 
 S = TypeVar("S", bound=_TypeState)
+
+
+def _metrics_target(node: base_pb2.Node, peer: str) -> tuple[str, int] | None:
+    """Where a client's /metrics is: the IP its stream comes from (never an address it names, so a client
+    cannot point the control plane elsewhere) and the port in its node metadata, if valid."""
+    value = node.metadata.fields.get(METRICS_PORT_KEY)
+    address = peer_address(peer)
+    if value is None or address is None:
+        return None
+    port = value.number_value
+    return (address, int(port)) if port.is_integer() and 0 < port < 65536 else None
 
 
 def _log_extra(record: StreamRecord, event: str, **fields: object) -> dict[str, object]:
@@ -755,7 +768,8 @@ class AggregatedDiscoveryServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer)
               wake: asyncio.Event) -> _Session:
         node: base_pb2.Node = request.node  # type: ignore[attr-defined]
         group = self._cache.group_of(node)
-        record = StreamRecord(next(self._stream_ids), node.id, node.cluster, group, protocol_type.mode)
+        record = StreamRecord(next(self._stream_ids), node.id, node.cluster, group, protocol_type.mode,
+                              metrics_target=_metrics_target(node, context.peer()))
         session = _Session(protocol_type(record, self._cache, self._metrics), self._cache.watch(record, wake))
         self._streams_per_node[node.id] += 1
         # The generator's finally may run late if gRPC drops it mid-yield; this runs when the RPC ends.

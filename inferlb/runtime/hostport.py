@@ -37,3 +37,15 @@ def id_of_authority(text: str) -> str:
     elif ":" in host:  # an unbracketed IPv6 address would make the port ambiguous
         raise ValueError(f"IPv6 address without brackets: {text!r}")
     return endpoint_id(str(ipaddress.ip_address(host)), int(port))
+
+
+def peer_address(peer: str) -> str | None:
+    """The IP literal of a gRPC peer string (``ipv4:10.0.0.1:5000``, ``ipv6:[::1]:5000``); None for anything
+    else (a unix socket). It is where a client's connection comes from, not what the client claims."""
+    scheme, _, rest = peer.partition(":")
+    if scheme not in ("ipv4", "ipv6"):
+        return None
+    try:
+        return id_of_authority(rest).rpartition(":")[0]
+    except ValueError:
+        return None

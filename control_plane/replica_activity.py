@@ -1,0 +1,99 @@
+"""Which ext_proc replicas carry traffic, so a large fleet is partitioned among those only.
+
+Each replica picks from its own partition of a large fleet (``ext_proc``'s
+``Picker.set_partition``; the control plane lists the replicas in EDS). A
+replica that is connected but gets no requests (Envoy sends it none, or it
+is wedged) would keep its partition, and part of the fleet would be pickable
+only by a replica that picks nothing. So every scrape interval the control
+plane reads each replica's decision count (``inferlb_ext_proc_decision_seconds_count``,
+monotonic: never pruned) from its ``/metrics``, at the IP its xDS stream
+comes from and the port its node metadata names; replicas whose count grew
+since the last look are the active ones. When none grew (an idle fleet),
+every connected replica stays listed. A replica left out picks from the
+whole fleet if traffic reaches it, and is listed again from the next look.
+
+The decision is pure (:class:`ReplicaActivity`); the reading is the I/O edge
+(:func:`read_decision_counts`, bounded like worker scrapes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from .scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
+
+log = logging.getLogger("inferlb.control_plane.replicas")
+
+DECISIONS = "inferlb_ext_proc_decision_seconds"  # a histogram: its _count is every decision made
+
+
+@dataclass(frozen=True)
+class MetricsTarget:
+    address: str
+    port: int
+
+
+@dataclass
+class ReplicaActivity:
+    """The replicas whose decision count grew between the last two looks."""
+
+    _last: dict[str, float] = field(default_factory=dict)
+    active: frozenset[str] = frozenset()
+
+    def observe(self, counts: Mapping[str, float | None]) -> frozenset[str]:
+        """Fold in one look (node id -> its count, None when it could not be read); the active set."""
+        self.active = frozenset(node for node, count in counts.items()
+                                if count is not None and node in self._last and count > self._last[node])
+        self._last = {node: count for node, count in counts.items() if count is not None}
+        return self.active
+
+
+def decision_count(text: str) -> float | None:
+    """The decisions a replica's exposition reports; None when it reports none (not an ext_proc)."""
+    for family in text_string_to_metric_families(text):
+        if family.name == DECISIONS:
+            counts = [s.value for s in family.samples if s.name == f"{DECISIONS}_count"]
+            return sum(counts) if counts else None
+    return None
+
+
+async def read_decision_counts(client: httpx.AsyncClient, targets: Mapping[str, tuple[str, int]],
+                               config: ScraperConfig) -> dict[str, float | None]:
+    """Every target's decision count, concurrently, each within the scrape deadline and body cap."""
+    async def one(target: tuple[str, int]) -> float | None:
+        try:
+            text = await fetch_metrics(client, MetricsTarget(*target), config)
+            return await asyncio.to_thread(decision_count, text)
+        except (ScrapeError, ValueError) as exc:
+            log.debug("ext_proc replica metrics unreadable", extra={"target": target, "error": str(exc)})
+            return None
+
+    nodes = list(targets)
+    counts = await asyncio.gather(*(one(targets[node]) for node in nodes))
+    return dict(zip(nodes, counts))
+
+
+class ReplicaSink(Protocol):
+    """What the watch reads and drives (the controller)."""
+
+    def ext_proc_targets(self) -> Mapping[str, tuple[str, int]]: ...
+
+    def set_active_replicas(self, active: frozenset[str]) -> None: ...
+
+
+async def watch_replicas(sink: ReplicaSink, config: ScraperConfig) -> None:
+    """Every ``interval_s``: read the replicas' decision counts and hand the active set over (until cancelled)."""
+    activity = ReplicaActivity()
+    async with Scraper(config).make_client() as client:
+        while True:
+            targets = sink.ext_proc_targets()
+            counts = await read_decision_counts(client, targets, config) if targets else {}
+            sink.set_active_replicas(activity.observe(counts))
+            await asyncio.sleep(config.interval_s)  # the scrape interval itself, not a synchronisation

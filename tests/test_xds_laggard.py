@@ -1,0 +1,92 @@
+"""A client that never ACKs cannot delay other clients' publishes.
+
+Before: every EDS publish held the publish lock and waited up to
+``ENVOYS_FIRST_MAX_WAIT_S`` for every Envoy-group stream to ACK, so one
+connected client that never answers (a wedged Envoy, a hostile client with an
+allowed node cluster) cost every publish the whole wait. Now the first missed
+deadline marks it a laggard, publishes stop waiting for it, and it is waited
+for again once it has answered its last push.
+
+In process, over real gRPC: the control plane's ADS server, its Controller,
+and the test ADS clients. Liveness rather than timing is asserted: with the
+wait set to an hour, the publishes after the first miss must finish at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import pytest
+
+import control_plane.controller as controller_module
+from control_plane.config import ControlPlaneConfig
+from control_plane.controller import Controller
+from control_plane.metrics import ControlPlaneMetrics
+from control_plane.model import Endpoint, FleetState
+from control_plane.type_urls import ENDPOINT
+from control_plane.xds import SnapshotCache
+
+from .stack import prometheus_samples, sample
+from .test_xds_server import envoy_like_sync, run, synced, type_status, until, xds_server
+from .xds_client import SotwClient
+
+HOUR = 3600.0
+
+
+def reweigh(weight: int) -> Callable[[FleetState], FleetState]:
+    return lambda s: FleetState(endpoints=(Endpoint("10.0.0.1", 8101, computed_weight=weight), s.endpoints[1]),
+                                settings=s.settings)
+
+
+def laggard_gauge(metrics: ControlPlaneMetrics) -> float | None:
+    return sample(prometheus_samples(metrics.exposition().decode()), "inferlb_cp_xds_laggard_streams")
+
+
+def test_a_client_that_never_acks_costs_one_deadline_not_one_per_publish(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = FleetState(endpoints=(Endpoint("10.0.0.1", 8101), Endpoint("10.0.0.2", 8102)))
+
+    async def scenario() -> None:
+        cache = SnapshotCache()
+        metrics = ControlPlaneMetrics(lambda: state)
+        controller = Controller(ControlPlaneConfig(), cache, metrics, state)
+        await controller.publish()
+        async with xds_server(cache) as address:
+            async with SotwClient(address, "envoy-good", "inferlb", follow_clusters=True) as good, \
+                    SotwClient(address, "envoy-mute", "inferlb", follow_clusters=True) as mute:
+                for client in (good, mute):
+                    await envoy_like_sync(client)
+                    await synced(cache, client.node.id, controller.snapshot)
+                mute.auto_ack = False  # from now on it never answers
+
+                # The first publish it does not answer: waited for up to the deadline, then it is a laggard.
+                monkeypatch.setattr(controller_module, "ENVOYS_FIRST_MAX_WAIT_S", 0.2)
+                controller.update(reweigh(5))
+                await controller.publish()
+                assert cache.laggards() == 1 and laggard_gauge(metrics) == 1
+
+                # Every later publish waits for the good client only: with an hour's deadline they finish.
+                monkeypatch.setattr(controller_module, "ENVOYS_FIRST_MAX_WAIT_S", HOUR)
+                for weight in range(6, 11):
+                    controller.update(reweigh(weight))
+                    await asyncio.wait_for(controller.publish(), 30)
+                    version = controller.snapshot.version(ENDPOINT)
+                    assert type_status(cache, "envoy-good", ENDPOINT).acked_version == version
+                    assert type_status(cache, "envoy-mute", ENDPOINT).acked_version != version
+                assert cache.laggards() == 1
+
+                # It answers its last push: waited for again from the next publish on (and no longer counted).
+                mute.auto_ack = True
+                await mute.ack(mute.of_type(ENDPOINT)[-1])
+                await until(lambda: (s := type_status(cache, "envoy-mute", ENDPOINT)).acked_version == s.sent_version,
+                            "the mute client to answer its last push")
+                controller.update(reweigh(11))
+                await asyncio.wait_for(controller.publish(), 30)
+                assert cache.laggards() == 0 and laggard_gauge(metrics) == 0
+                controller.update(reweigh(12))
+                await asyncio.wait_for(controller.publish(), 30)
+                version = controller.snapshot.version(ENDPOINT)
+                # Waited for like any other: it had ACKed the new EDS before the publish returned.
+                assert type_status(cache, "envoy-mute", ENDPOINT).acked_version == version
+                await until(lambda: cache.default_settled(ENDPOINT), "every client to settle")
+    run(scenario)
