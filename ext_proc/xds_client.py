@@ -47,6 +47,7 @@ from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
+from inferlb.runtime.backoff import Backoff
 from inferlb.runtime.tls import PemFiles
 from inferlb.runtime.xds_node import METRICS_PORT_KEY
 
@@ -357,18 +358,6 @@ class XdsClientSettings:
         return grpc.aio.secure_channel(self.target, credentials, options=options)
 
 
-def backoff_delays(initial: float, maximum: float, rng: random.Random) -> Callable[[int], float]:
-    """Exponential backoff with equal jitter: attempt n waits uniform(cap/2, cap), cap = min(max, initial * 2**n).
-
-    The lower half keeps a flapping control plane from being hammered; the
-    jitter keeps many ext_procs from reconnecting in lockstep.
-    """
-    def delay(attempt: int) -> float:
-        cap = min(maximum, initial * (2 ** min(attempt, 30)))
-        return rng.uniform(cap / 2, cap)
-    return delay
-
-
 class XdsClient:
     """EDS over ADS, reconnecting for ever; :attr:`view` is the latest accepted view."""
 
@@ -376,7 +365,9 @@ class XdsClient:
                  rng: random.Random | None = None) -> None:
         self.settings = settings
         self._observer = observer or _NoObserver()
-        self._delay = backoff_delays(settings.backoff_initial_s, settings.backoff_max_s, rng or random.Random())
+        backoff, rng = Backoff(settings.backoff_initial_s, settings.backoff_max_s), rng or random.Random()
+        # Attempt 0 (the first reconnect) waits about backoff_initial_s; jittered so replicas do not align.
+        self._delay: Callable[[int], float] = lambda attempt: backoff.delay(attempt + 1, rng)
         self._view: EndpointView | None = None
         self._connected = False
         self._listeners = _Listeners()
