@@ -226,7 +226,7 @@ class Controller:
             self.published.set()
             seconds = time.perf_counter() - started
             if self.metrics is not None:
-                self.metrics.snapshot_published(changed | ext_proc_changed, seconds, self.cache.laggards())
+                self.metrics.snapshot_published(changed | ext_proc_changed, seconds, len(self.cache.laggards()))
             if changed or ext_proc_changed:
                 log.debug("snapshot published", extra={"changed": sorted(changed),
                                                        "ext_proc_changed": sorted(ext_proc_changed),

@@ -167,9 +167,9 @@ class SnapshotCache:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._progress.wait(), remaining)
 
-    def laggards(self) -> int:
-        """Streams publishes do not wait for (see :meth:`wait_default_settled`)."""
-        return sum(1 for watches in self._watches.values() for watch in watches if watch.lagging)
+    def laggards(self) -> frozenset[str]:
+        """The node ids of the streams publishes do not wait for (see :meth:`wait_default_settled`)."""
+        return frozenset(w.record.node_id for watches in self._watches.values() for w in watches if w.lagging)
 
     def _default_unsettled(self, type_url: str, skip_laggards: bool = False) -> list[Watch]:
         if self._default is None:
