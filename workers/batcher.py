@@ -162,6 +162,8 @@ class MicroBatcher:
     _arrival_gap: float = 1.0
     _last_arrival: float = 0.0
     _busy: bool = False
+    _running: asyncio.Future[None] | None = None  # done when the batch on the inference thread ends
+    _running_items: frozenset[int] = frozenset()  # id() of that batch's items
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> None:
@@ -222,6 +224,11 @@ class MicroBatcher:
             for item in items:
                 item.future.cancel()
             self._withdraw(request)
+            running = self._running
+            if running is not None and any(id(item) in self._running_items for item in items):
+                # Its inputs are computing now: the request ends with that batch, so a worker that
+                # reports itself idle (no request in flight) is idle, and its load reports stay true.
+                await asyncio.shield(running)
             raise
         first_start = min(item.started for item in items)
         return Embedded(
@@ -340,6 +347,7 @@ class MicroBatcher:
             self.observer.queue_wait(start - item.enqueued)
         tokens = [item.tokens for item in batch]
         self._busy = True
+        self._running, self._running_items = loop.create_future(), frozenset(id(item) for item in batch)
         try:
             vectors = await loop.run_in_executor(self.executor, self.run_batch, tokens)
         except Exception as exc:  # a failed batch fails its requests, never the worker
@@ -349,6 +357,8 @@ class MicroBatcher:
             return
         finally:
             self._busy = False
+            self._running.set_result(None)
+            self._running, self._running_items = None, frozenset()
         finished = time.perf_counter()
         seconds = finished - start
         padded = max(len(t) for t in tokens) * len(tokens)

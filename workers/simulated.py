@@ -18,6 +18,7 @@ implements, so the two can be checked against each other.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
@@ -142,6 +143,8 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     enqueued: float
     deadline: float | None = None  # perf_counter seconds
+    taken: bool = False  # a slot is serving it (set under the scheduler's lock)
+    finished: asyncio.Future[None] | None = None  # done when its slot is through with it
 
 
 _STOP = None  # the sentinel a slot thread exits on
@@ -219,10 +222,21 @@ class SlotScheduler:
             self._waiting += 1
             depth = self._waiting
         loop = asyncio.get_running_loop()
-        job = _Job(inputs, sum(len(i) for i in inputs), loop.create_future(), loop, time.perf_counter(), deadline)
+        job = _Job(inputs, sum(len(i) for i in inputs), loop.create_future(), loop, time.perf_counter(), deadline,
+                   finished=loop.create_future())
         self._jobs.put(job)
         self.observer.queue_depth(depth)
-        return await job.future  # a cancelled client cancels the future; its slot skips the job
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            # The client left. A queued job is skipped by its slot; a running one ends the request when it
+            # ends, so the worker never reports itself idle while a slot is still busy with it.
+            job.future.cancel()
+            with self._lock:
+                taken = job.taken
+            if taken and job.finished is not None:
+                await asyncio.shield(job.finished)
+            raise
 
     # -- the slots (threads) -----------------------------------------------
     def _slot(self) -> None:
@@ -233,8 +247,9 @@ class SlotScheduler:
             with self._lock:
                 self._waiting -= 1
                 depth = self._waiting
-            if job.future.cancelled():
-                self._settle(lambda: self.observer.inputs_cancelled(len(job.inputs)), job)
+                job.taken = not job.future.cancelled()
+            if not job.taken:
+                self._settle(functools.partial(self.observer.inputs_cancelled, len(job.inputs)), job)
                 continue
             if job.deadline is not None and job.deadline <= time.perf_counter():
                 self._settle(self.observer.deadline_missed, job)
@@ -269,6 +284,8 @@ class SlotScheduler:
 
     def _resolve(self, job: _Job, outcome: tuple[Embedded, float] | BaseException, depth: int = 0) -> None:
         def settle() -> None:
+            if job.finished is not None and not job.finished.done():
+                job.finished.set_result(None)
             if isinstance(outcome, BaseException):
                 if not job.future.done():
                     job.future.set_exception(outcome)
