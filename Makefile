@@ -43,7 +43,8 @@ model: $(STAMP)  ## convert the packaged weights to ONNX (fp32 + int8), cached i
 up: model  ## run the local stack
 	$(VENV)/bin/inferlb up
 
-test: system-deps model  ## run the whole test suite
+test: system-deps model  ## the import contracts, then the whole test suite
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest
 
 bench: model  ## benchmarks (results go in docs/benchmarks.md)

@@ -16,10 +16,10 @@ from typing import Any, Sequence
 import uvicorn
 from pydantic import ValidationError
 
-from inferlb.runtime.http import EmbeddedServer
-from inferlb.runtime.logs import configure_json_logging
-from inferlb.runtime.plugins import PolicyAllowlist
-from inferlb.runtime.supervision import Supervised
+from inferlb_runtime.http import EmbeddedServer
+from inferlb_runtime.logs import configure_json_logging
+from inferlb_runtime.plugins import PolicyAllowlist
+from inferlb_runtime.supervision import Supervised
 
 from . import pick_catalogue
 from .autoscale import Autoscaler
@@ -31,7 +31,8 @@ from .discovery.service import start_discovery, stop_discovery
 from .metrics import ControlPlaneMetrics
 from .nginx.applier import NginxApplier
 from .nginx.process import NginxError
-from .policy import WeightPolicy, make_weight_policy
+from .policy import WeightPolicy
+from .policy_loading import make_weight_policy
 from .replica_activity import watch_replicas
 from .scraper import Scraper, ScraperConfig
 from .serving import TlsConfigError, admin_tls_arguments, warn_plaintext, xds_server_settings

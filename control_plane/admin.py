@@ -47,9 +47,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inferlb.runtime import plugins
-from inferlb.runtime.plugins import PolicyAllowlist
-from inferlb.runtime.supervision import Supervised
+from inferlb_runtime import plugins
+from inferlb_runtime.plugins import PolicyAllowlist
+from inferlb_runtime.supervision import Supervised
 
 from . import pick_catalogue
 from .api_models import (
@@ -81,13 +81,8 @@ from .controller import Controller
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState, Health, PickPolicySpec, Telemetry
 from .nginx.applier import NginxApplier
-from .policy import (
-    WeightPolicy,
-    builtin_weight_policies,
-    make_weight_policy,
-    weight_policy_params,
-)
-from .policy_loading import describe_weight_policies
+from .policy import WeightPolicy, builtin_weight_policies, weight_policy_params
+from .policy_loading import describe_weight_policies, make_weight_policy
 from .store import OperatorState, OperatorStore, PolicyKind, StoredPolicy, StoreError, reconcile
 from .telemetry import is_stale
 from .type_urls import ENDPOINT, SHORT_NAMES

@@ -36,8 +36,8 @@ from .discovery.model import DiscoverySnapshot, DiscoverySource
 from .discovery.reconcile import Override, Reconciled, SourceMemory, reconcile
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState
-from .policy import WeightPolicy, fleet_view, make_weight_policy
-from .policy_loading import contained_compute
+from .policy import WeightPolicy, fleet_view
+from .policy_loading import contained_compute, make_weight_policy
 from .resources import EndpointMemo, build_static_resources, encode_load_assignment
 from .scraper import ScrapeResult, apply_scrape_results
 from .type_urls import ENDPOINT

@@ -5,7 +5,7 @@ would flood every Envoy. A change is published ``delay`` after the last one
 in a burst (trailing edge), but never later than ``max_delay`` after the
 first, so a steady stream of changes still goes out at least once a second.
 
-A flush that fails is supervised (``inferlb.runtime.supervision``): logged
+A flush that fails is supervised (``inferlb_runtime.supervision``): logged
 with its traceback, counted (``task_failed(task)``, "publisher" for the
 controller's) and retried with backoff until one succeeds; marks that
 arrive meanwhile are folded into the retry (the flush publishes the latest
@@ -20,8 +20,8 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from inferlb.runtime.backoff import Backoff
-from inferlb.runtime.supervision import FailureObserver, Supervised
+from inferlb_runtime.backoff import Backoff
+from inferlb_runtime.supervision import FailureObserver, Supervised
 
 log = logging.getLogger("inferlb.control_plane")
 

@@ -220,7 +220,7 @@ class ControlPlaneMetrics:
     def discovery_failed(self, source: str) -> None:
         self.discovery_errors.labels(source=source).inc()
 
-    # inferlb.runtime.supervision.FailureObserver
+    # inferlb_runtime.supervision.FailureObserver
     def task_failed(self, task: str) -> None:
         self.task_failures.labels(task=task).inc()
 

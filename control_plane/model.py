@@ -13,7 +13,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-from inferlb.runtime.hostport import endpoint_id
+from inferlb_runtime.hostport import endpoint_id
 
 EndpointSource = Literal["static", "api", "kubernetes", "dns"]
 

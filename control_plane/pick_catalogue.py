@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from inferlb.runtime import plugins
+from inferlb_runtime import plugins
 
 MAX_SEED = 2**53
 

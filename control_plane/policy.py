@@ -13,11 +13,11 @@ Built in:
   queueing, slow tokens and errors, damped so weights do not oscillate.
 * ``equal`` (``EqualWeightPolicy``): every endpoint 100, the baseline.
 
-``make_weight_policy(name, params)`` builds one from the admin API's
-``{name, params}`` and validates the parameters. A name that is not built in
-is a user policy: an ``inferlb.policies`` entry point or a
-``module:attribute`` spec (``policy_loading.py``, which also contains a
-failing policy: the controller runs every policy through
+``policy_loading.make_weight_policy(name, params, allow)`` builds one from
+the admin API's ``{name, params}`` and validates the parameters. A name that
+is not built in is a user policy: an ``inferlb.policies`` entry point or an
+allowed ``module:attribute`` spec (``policy_loading.py``, which also contains
+a failing policy: the controller runs every policy through
 ``policy_loading.contained_compute``).
 """
 
@@ -30,7 +30,6 @@ import typing
 from dataclasses import dataclass
 from typing import ClassVar, Iterable, Mapping, Protocol
 
-from inferlb.runtime.plugins import BadPolicyParams, PolicyAllowlist
 
 from .model import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, Endpoint, Health, Telemetry
 from .telemetry import is_stale
@@ -297,60 +296,6 @@ class CapacityWeightPolicy:
 def builtin_weight_policies() -> dict[str, type]:
     """Built-in policies by name; each class has ``name``, ``Params`` and ``__init__(params)``."""
     return {cls.name: cls for cls in (CapacityWeightPolicy, EqualWeightPolicy)}
-
-
-def _coerce(policy: str, field: str, expected: object, value: object) -> object:
-    where = f"weight policy {policy!r} parameter {field!r}"
-    if isinstance(value, bool) and expected is not bool:
-        raise ValueError(f"{where}: expected a number, got {value!r}")
-    if expected is float:
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{where}: expected a finite number, got {value!r}")
-        return float(value)
-    if expected is int:
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if not isinstance(value, int):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if expected is bool and not isinstance(value, bool):
-        raise ValueError(f"{where}: expected true or false, got {value!r}")
-    return value
-
-
-def parse_params(policy: str, params_cls: type, raw: Mapping[str, object]) -> object:
-    """Validate ``raw`` against a policy's frozen ``Params`` dataclass: known names, right types, in range."""
-    hints = typing.get_type_hints(params_cls)
-    names = [f.name for f in dataclasses.fields(params_cls)]
-    unknown = sorted(set(raw) - set(names))
-    if unknown:
-        accepted = ", ".join(names) or "none"
-        raise ValueError(f"weight policy {policy!r}: unknown parameter(s) {', '.join(unknown)}; accepted: {accepted}")
-    values = {k: _coerce(policy, k, hints[k], v) for k, v in raw.items()}
-    try:
-        return params_cls(**values)
-    except ValueError as exc:
-        raise ValueError(f"weight policy {policy!r}: {exc}") from None
-
-
-def make_weight_policy(name: str, params: Mapping[str, object] | None = None,
-                       allow: PolicyAllowlist = PolicyAllowlist()) -> WeightPolicy:
-    """Build a policy: a built-in by name, else a user policy (an ``inferlb.policies`` entry point or a
-    ``module:attribute`` spec under a module prefix ``allow`` names, see ``policy_loading``).
-
-    ``ValueError`` with a clear message on any bad input: ``PolicyNotFound`` for a name that leads to no
-    weight policy, ``BadPolicyParams`` for bad parameters (both from ``inferlb.runtime.plugins``).
-    """
-    policies = builtin_weight_policies()
-    cls = policies.get(name)
-    if cls is None:
-        from .policy_loading import load_weight_policy  # imports this module
-
-        return load_weight_policy(name, params, allow)
-    try:
-        return cls(parse_params(name, cls.Params, params or {}))
-    except ValueError as exc:
-        raise BadPolicyParams(str(exc)) from None
 
 
 def weight_policy_params(policy: WeightPolicy) -> dict[str, object]:

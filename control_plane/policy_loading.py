@@ -1,10 +1,10 @@
 """User weight policies: loading them, listing them, and containing them.
 
-**Loading.** ``make_weight_policy(name, params)`` (``policy.py``) builds a
-built-in by name and hands any other name here: a name registered in the
+**Loading.** ``make_weight_policy(name, params, allow)`` builds a built-in
+(``policy.py``) by name, else a user policy: a name registered in the
 ``inferlb.policies`` entry-point group (whose object declares
 ``kind = "weight"``) or a ``module:attribute`` spec under a module prefix the
-operator allows (a class; see ``inferlb.runtime.plugins`` for the checks and
+operator allows (a class; see ``inferlb_runtime.plugins`` for the checks and
 how parameters are validated).
 ``describe_weight_policies()`` lists what can be chosen, with each one's
 parameter schema, for ``GET /v1/policy``.
@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from inferlb.runtime import plugins
+from inferlb_runtime import plugins
 
 from .model import MAX_WEIGHT, MIN_WEIGHT
 from .policy import CapacityWeightPolicy, FleetView, WeightPolicy, builtin_weight_policies, clamp_weight
@@ -51,6 +51,23 @@ REASONS = ("error", "bad_type", "unknown_endpoint", "missing_endpoint", "bad_wei
 
 
 # --- loading ----------------------------------------------------------------------------------------
+
+
+def make_weight_policy(name: str, params: Mapping[str, object] | None = None,
+                       allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist()) -> WeightPolicy:
+    """Build a policy: a built-in by name, else a user policy (an ``inferlb.policies`` entry point or a
+    ``module:attribute`` spec under a module prefix ``allow`` names: :func:`load_weight_policy`).
+
+    ``ValueError`` with a clear message on any bad input: ``PolicyNotFound`` for a name that leads to no
+    weight policy, ``BadPolicyParams`` for bad parameters (both from ``inferlb_runtime.plugins``).
+    """
+    cls = builtin_weight_policies().get(name)
+    if cls is None:
+        return load_weight_policy(name, params, allow)
+    try:
+        return cls(plugins.parse_params(f"weight policy {name!r}", cls.Params, params or {}))
+    except ValueError as exc:
+        raise plugins.BadPolicyParams(str(exc)) from None
 
 
 def load_weight_policy(name: str, params: Mapping[str, Any] | None = None,
@@ -232,4 +249,4 @@ def contained_compute(policy: WeightPolicy, view: FleetView, observer: object = 
 
 __all__ = ["COOLDOWN_S", "DEFAULT_WEIGHT_POLICY", "LOG_INTERVAL_S", "MAX_CONSECUTIVE", "REASONS", "WEIGHT_BUDGET_S",
            "WeightPolicyGuard", "check_weights", "contained_compute", "describe_weight_policies", "guard_for",
-           "load_weight_policy"]
+           "load_weight_policy", "make_weight_policy"]

@@ -19,7 +19,7 @@ from typing import Awaitable, Callable, Mapping, Protocol, Sequence
 
 import httpx
 
-from inferlb.runtime.hostport import authority
+from inferlb_runtime.hostport import authority
 
 from .model import Endpoint, Health, Telemetry
 from .telemetry import Sample, parse_sample, smooth, window

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from inferlb.runtime.tls import TlsConfigError, check_identity, load_pem_files
+from inferlb_runtime.tls import TlsConfigError, check_identity, load_pem_files
 
 from .auth import is_loopback
 from .config import ControlPlaneConfig

@@ -14,13 +14,14 @@ from typing import Any, Coroutine, Sequence
 import uvicorn
 from pydantic import ValidationError
 
-from inferlb.runtime.http import EmbeddedServer
-from inferlb.runtime.logs import configure_json_logging
-from inferlb.runtime.tls import PemFiles, load_pem_files
+from inferlb_runtime.http import EmbeddedServer
+from inferlb_runtime.logs import configure_json_logging
+from inferlb_runtime.tls import PemFiles, load_pem_files
 
 from .config import ExtProcConfig, load_config
 from .metrics import ExtProcMetrics, LiveState, create_http_app
-from .policies import builtin_pick_policies, make_pick_policy
+from .policies import builtin_pick_policies
+from .policy_loading import make_pick_policy
 from .server import ExtProcServicer, HealthReporter, ServiceSettings, serve_grpc
 from .tokens import TokenCounter, packaged_tokenizer_path
 from .xds_client import PickPolicySpec, XdsClient, XdsClientSettings

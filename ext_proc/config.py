@@ -19,9 +19,9 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from inferlb.runtime.plugins import PolicyAllowlist
-from inferlb.runtime.settings import PolicyModules, load_layered
-from inferlb.runtime.tls import all_or_none
+from inferlb_runtime.plugins import PolicyAllowlist
+from inferlb_runtime.settings import PolicyModules, load_layered
+from inferlb_runtime.tls import all_or_none
 
 MIB = 1024 * 1024
 

@@ -47,7 +47,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from inferlb.runtime.plugins import BadPolicyParams, PolicyAllowlist, PolicyNotFound
 
 from .model import Candidate, EndpointInfo, PickPolicy, RequestView
 
@@ -336,30 +335,3 @@ def builtin_pick_policies() -> Mapping[str, PolicySpec]:
 
 
 DEFAULT_PICK_POLICY = "least_completion_time"
-
-
-def make_pick_policy(name: str, params: Mapping[str, Any] | None = None,
-                     allow: PolicyAllowlist = PolicyAllowlist()) -> PickPolicy:
-    """Build a policy: a built-in by name, else a user policy (an ``inferlb.policies`` entry point or a
-    ``module:attribute`` spec under a module prefix ``allow`` names), wrapped in
-    ``policy_loading.ContainedPickPolicy``.
-
-    ValueError saying what is wrong: ``PolicyNotFound`` for a name that leads to no pick policy,
-    ``BadPolicyParams`` for bad params (both from ``inferlb.runtime.plugins``).
-    """
-    registry = builtin_pick_policies()
-    spec = registry.get(name) if isinstance(name, str) else None
-    if spec is None:
-        if isinstance(name, str) and name:
-            from .policy_loading import load_pick_policy  # imports this module
-
-            return load_pick_policy(name, params, allow)
-        raise PolicyNotFound(f"unknown pick policy {name!r}; built-in: {', '.join(sorted(registry))}")
-    if params is not None and not isinstance(params, Mapping):
-        raise BadPolicyParams(f"{name}: params must be an object, got {type(params).__name__}")
-    try:
-        return spec.create(params)
-    except TypeError as exc:  # a params class refusing a value its validator missed
-        raise BadPolicyParams(f"{name}: bad params: {exc}") from None
-    except ValueError as exc:
-        raise BadPolicyParams(str(exc)) from None

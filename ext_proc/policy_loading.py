@@ -1,7 +1,7 @@
 """User pick policies: loading them, listing them, and containing them on the per-request path.
 
-**Loading.** ``make_pick_policy(name, params)`` (``policies.py``) builds a
-built-in by name and hands any other name here: a name registered in the
+**Loading.** ``make_pick_policy(name, params, allow)`` builds a built-in
+(``policies.py``) by name, else a user policy: a name registered in the
 ``inferlb.policies`` entry-point group (whose object declares
 ``kind = "pick"``) or a ``module:attribute`` spec under a module prefix
 ext_proc's own configuration allows (``allowed_policy_modules``). The control plane never
@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from inferlb.runtime import plugins
+from inferlb_runtime import plugins
 
 from .model import Candidate, EndpointInfo, PickPolicy, RequestView
 from .policies import DEFAULT_PICK_POLICY, builtin_pick_policies
@@ -53,6 +53,31 @@ FailureObserver = Callable[[str, str], None]  # (policy name, reason)
 
 
 # --- loading ----------------------------------------------------------------------------------------
+
+
+def make_pick_policy(name: str, params: Mapping[str, Any] | None = None,
+                     allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist()) -> PickPolicy:
+    """Build a policy: a built-in (``policies.py``) by name, else a user policy (an ``inferlb.policies``
+    entry point or a ``module:attribute`` spec under a module prefix ``allow`` names), wrapped in
+    :class:`ContainedPickPolicy`.
+
+    ValueError saying what is wrong: ``PolicyNotFound`` for a name that leads to no pick policy,
+    ``BadPolicyParams`` for bad params (both from ``inferlb_runtime.plugins``).
+    """
+    registry = builtin_pick_policies()
+    spec = registry.get(name) if isinstance(name, str) else None
+    if spec is None:
+        if isinstance(name, str) and name:
+            return load_pick_policy(name, params, allow)
+        raise plugins.PolicyNotFound(f"unknown pick policy {name!r}; built-in: {', '.join(sorted(registry))}")
+    if params is not None and not isinstance(params, Mapping):
+        raise plugins.BadPolicyParams(f"{name}: params must be an object, got {type(params).__name__}")
+    try:
+        return spec.create(params)
+    except TypeError as exc:  # a params class refusing a value its validator missed
+        raise plugins.BadPolicyParams(f"{name}: bad params: {exc}") from None
+    except ValueError as exc:
+        raise plugins.BadPolicyParams(str(exc)) from None
 
 
 def load_pick_policy(name: str, params: Mapping[str, Any] | None = None,
@@ -244,4 +269,5 @@ __all__ = [
     "contain_pick_policy",
     "describe_pick_policies",
     "load_pick_policy",
+    "make_pick_policy",
 ]

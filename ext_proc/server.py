@@ -69,15 +69,15 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from inferlb.runtime.hostport import id_of_authority
-from inferlb.runtime.plugins import PolicyAllowlist
+from inferlb_runtime.hostport import id_of_authority
+from inferlb_runtime.plugins import PolicyAllowlist
 
 from .cost import CostModel, parse_orca, parse_server_timing, service_seconds
 from .metrics import ExtProcMetrics, LiveState
 from .model import RequestView
 from .outstanding import Outstanding, OutstandingLoad
 from .picker import ORCA_INFLIGHT_KEY, Decision, Picker
-from .policies import make_pick_policy
+from .policy_loading import make_pick_policy
 from .tokens import TokenCounter
 from .xds_client import EndpointView, PickPolicySpec, ViewSource
 

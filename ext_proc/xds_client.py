@@ -47,9 +47,9 @@ from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
-from inferlb.runtime.backoff import Backoff
-from inferlb.runtime.tls import PemFiles
-from inferlb.runtime.xds_node import METRICS_PORT_KEY
+from inferlb_runtime.backoff import Backoff
+from inferlb_runtime.tls import PemFiles
+from inferlb_runtime.xds_node import METRICS_PORT_KEY
 
 from .model import EndpointInfo
 

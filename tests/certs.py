@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trustme
 
-from inferlb.runtime.tls import PemFiles
+from inferlb_runtime.tls import PemFiles
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb.bootstrap import render_bootstrap
 from inferlb.components import which_envoy
-from inferlb.runtime.hostport import authority, endpoint_id
+from inferlb_runtime.hostport import authority, endpoint_id
 
 from .conftest import free_port
 

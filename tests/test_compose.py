@@ -297,6 +297,20 @@ def test_dockerfile_is_multi_stage_non_root_with_the_model_built_in(compose: dic
     assert any(op == "RUN" and volume in args and "-o inferlb" in args for op, args in final)
 
 
+def test_the_dockerfile_copies_every_package_the_project_installs() -> None:
+    """A top-level package left out of the image installs nothing and fails at the first import."""
+    import fnmatch
+    import tomllib
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file()
+                and any(fnmatch.fnmatch(d.name, p) for p in patterns)}
+    assert {"inferlb", "inferlb_runtime", "control_plane", "ext_proc", "workers"} <= packages
+    copied = {args.split()[0] for op, args in _instructions((ROOT / "Dockerfile").read_text())
+              if op == "COPY" and "--from=" not in args}
+    assert packages <= copied, packages - copied
+
+
 def test_the_readme_says_it_was_validated_not_run() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "validated against the Compose specification's JSON schema, not run" in readme

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from control_plane.debounce import Debouncer
-from inferlb.runtime.backoff import Backoff
+from inferlb_runtime.backoff import Backoff
 
 
 def test_a_burst_flushes_once_after_it_ends() -> None:

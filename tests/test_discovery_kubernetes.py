@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import kubernetes_validate
 import pytest
 
-from control_plane.discovery.backoff import Backoff
+from inferlb_runtime.backoff import Backoff
 from control_plane.discovery.endpointslices import (
     apply_event,
     endpoints_from_slices,

@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 from control_plane.model import Health, Telemetry
-from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView, make_weight_policy
+from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView
+from control_plane.policy_loading import make_weight_policy
 from examples.policies.canary import CanaryParams, CanaryWeightPolicy, with_canary_share
 from examples.policies.sticky_session import StickySessionParams, StickySessionPolicy, stable_hash
 from ext_proc.cost import CostModel
 from ext_proc.model import Candidate, EndpointInfo, RequestView
 from ext_proc.outstanding import Outstanding
 from ext_proc.picker import Picker
-from ext_proc.policies import make_pick_policy
-from inferlb.runtime.plugins import PolicyAllowlist
-from inferlb.runtime.plugins import BadPolicyParams
+from ext_proc.policy_loading import make_pick_policy
+from inferlb_runtime.plugins import PolicyAllowlist
+from inferlb_runtime.plugins import BadPolicyParams
 
 STICKY = "examples.policies.sticky_session:StickySessionPolicy"
 CANARY = "examples.policies.canary:CanaryWeightPolicy"

@@ -27,8 +27,8 @@ from ext_proc.policies import (
     P2CTokens,
     RoundRobin,
     builtin_pick_policies,
-    make_pick_policy,
 )
+from ext_proc.policy_loading import make_pick_policy
 from ext_proc.tokens import TokenCounter, packaged_tokenizer_path
 
 MAX_TOKENS = 256

@@ -33,7 +33,7 @@ from control_plane.model import Endpoint, FleetState, Health, PickPolicySpec as 
 from control_plane.type_urls import ENDPOINT
 from control_plane.xds import Snapshot, SnapshotCache, TypeStatus, make_epoch, serve_xds, stop_xds
 from control_plane.xds.snapshot import Encoded
-from inferlb.runtime.plugins import PolicyAllowlist
+from inferlb_runtime.plugins import PolicyAllowlist
 from ext_proc.config import load_config
 from ext_proc.metrics import ExtProcMetrics
 from ext_proc.model import EndpointInfo

@@ -16,9 +16,9 @@ from control_plane.policy import (
     builtin_weight_policies,
     damp,
     fleet_view,
-    make_weight_policy,
     weight_policy_params,
 )
+from control_plane.policy_loading import make_weight_policy
 
 NOW = 100.0
 

@@ -16,8 +16,8 @@ from control_plane.config import ControlPlaneConfig
 from control_plane.controller import Controller
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model import Health, Telemetry
-from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView, make_weight_policy
-from control_plane.policy_loading import WeightPolicyGuard, contained_compute, guard_for
+from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView
+from control_plane.policy_loading import WeightPolicyGuard, contained_compute, guard_for, make_weight_policy
 from control_plane.scraper import ScrapeOk
 from control_plane.xds import SnapshotCache
 from ext_proc.cost import CostModel
@@ -403,7 +403,7 @@ def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: An
 
     from ext_proc.tokens import TokenCounter
     from ext_proc.xds_client import PickPolicySpec, static_view
-    from inferlb.runtime.plugins import PolicyAllowlist
+    from inferlb_runtime.plugins import PolicyAllowlist
     from tests.test_ext_proc_service import PICK, exchange, request_body, request_headers, serving, set_headers
 
     (tmp_path / "raising_policy.py").write_text(

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView, make_weight_policy
-from control_plane.policy_loading import describe_weight_policies
+from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView
+from control_plane.policy_loading import describe_weight_policies, make_weight_policy
 from examples.policies.canary import CanaryParams, CanaryWeightPolicy
 from examples.policies.sticky_session import StickySessionParams, StickySessionPolicy
-from ext_proc.policies import LeastCompletionTime, make_pick_policy
-from ext_proc.policy_loading import ContainedPickPolicy, describe_pick_policies
-from inferlb.runtime import plugins
-from inferlb.runtime.plugins import BadPolicyParams, PolicyAllowlist, PolicyNotFound
+from ext_proc.policies import LeastCompletionTime
+from ext_proc.policy_loading import ContainedPickPolicy, describe_pick_policies, make_pick_policy
+from inferlb_runtime import plugins
+from inferlb_runtime.plugins import BadPolicyParams, PolicyAllowlist, PolicyNotFound
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = "examples.policies.canary:CanaryWeightPolicy"
@@ -305,7 +305,7 @@ def test_loading_keeps_the_services_apart() -> None:
     code = textwrap.dedent(f"""
         import sys
         import control_plane.policy_loading, control_plane.controller
-        from inferlb.runtime import plugins
+        from inferlb_runtime import plugins
         allow = plugins.PolicyAllowlist(("examples",))
         plugins.describe("pick", {STICKY!r}, plugins.resolve("pick", {STICKY!r}, allow)[0], "spec")
         assert not [m for m in sys.modules if m.split(".")[0] == "ext_proc"], "control plane imported ext_proc"

@@ -20,8 +20,8 @@ from control_plane.controller import Controller, initial_state
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model import Endpoint
 from control_plane.xds import SnapshotCache
-from inferlb.runtime.backoff import Backoff
-from inferlb.runtime.supervision import Supervised
+from inferlb_runtime.backoff import Backoff
+from inferlb_runtime.supervision import Supervised
 
 from .faulty_control_plane import FAULT_ENV
 from .stack import (

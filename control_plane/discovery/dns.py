@@ -16,7 +16,8 @@ import asyncio
 import socket
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from .backoff import Backoff
+from inferlb_runtime.backoff import Backoff
+
 from .model import (
     DiscoveredEndpoint,
     DiscoveryFailure,

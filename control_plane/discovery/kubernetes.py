@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from .backoff import Backoff
+from inferlb_runtime.backoff import Backoff
+
 from .endpointslices import (
     apply_event,
     label_selector,

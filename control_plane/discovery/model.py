@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from inferlb.runtime.hostport import endpoint_id
+from inferlb_runtime.hostport import endpoint_id
 
 from ..model import normalise_address
 

@@ -83,9 +83,9 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf.message import Message
 
-from inferlb.runtime.hostport import peer_address
-from inferlb.runtime.tls import PemFiles
-from inferlb.runtime.xds_node import METRICS_PORT_KEY
+from inferlb_runtime.hostport import peer_address
+from inferlb_runtime.tls import PemFiles
+from inferlb_runtime.xds_node import METRICS_PORT_KEY
 
 from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, PUSH_ORDER, ROUTE, SHORT_NAMES
 from control_plane.xds.cache import SnapshotCache, Watch

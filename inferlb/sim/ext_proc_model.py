@@ -30,7 +30,8 @@ from ext_proc.cost import CostModel
 from ext_proc.model import EndpointInfo, RequestView
 from ext_proc.outstanding import Outstanding
 from ext_proc.picker import ORCA_INFLIGHT_KEY, Picker
-from ext_proc.policies import DEFAULT_PICK_POLICY, make_pick_policy
+from ext_proc.policies import DEFAULT_PICK_POLICY
+from ext_proc.policy_loading import make_pick_policy
 
 from .balancers import WeightedLeastRequest
 from .engine import Tick

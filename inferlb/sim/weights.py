@@ -22,12 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 from control_plane.model import DEFAULT_WEIGHT, Health, Telemetry
-from control_plane.policy import (
-    EndpointView,
-    FleetView,
-    WeightPolicy,
-    make_weight_policy,
-)
+from control_plane.policy import EndpointView, FleetView, WeightPolicy
+from control_plane.policy_loading import make_weight_policy
 from control_plane.telemetry import HistogramSample, Sample, smooth, window
 
 from .fleet import SimFleet

@@ -23,7 +23,7 @@ from .backoff import Backoff
 
 T = TypeVar("T")
 
-_log = logging.getLogger("inferlb.runtime.supervision")
+_log = logging.getLogger("inferlb_runtime.supervision")
 
 
 class FailureObserver(Protocol):
