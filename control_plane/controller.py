@@ -108,6 +108,8 @@ class Controller:
         self._publish_lock = asyncio.Lock()
         self._listeners: list[Callable[[FleetState], None]] = []  # see add_listener
         self._discovery: dict[DiscoverySource, SourceMemory] = {}  # per discovery source
+        if metrics is not None:
+            metrics.count_laggards(lambda: len(cache.laggards()))
 
     async def start(self) -> None:
         """Publish the initial state at once (Envoy should not wait a debounce for its first config)."""
@@ -226,7 +228,7 @@ class Controller:
             self.published.set()
             seconds = time.perf_counter() - started
             if self.metrics is not None:
-                self.metrics.snapshot_published(changed | ext_proc_changed, seconds, len(self.cache.laggards()))
+                self.metrics.snapshot_published(changed | ext_proc_changed, seconds)
             if changed or ext_proc_changed:
                 log.debug("snapshot published", extra={"changed": sorted(changed),
                                                        "ext_proc_changed": sorted(ext_proc_changed),

@@ -88,8 +88,8 @@ class ControlPlaneMetrics:
         self.clients = Gauge("inferlb_cp_xds_clients", "Connected xDS streams.", ["mode"], registry=r)
         self.xds_laggards = Gauge(
             "inferlb_cp_xds_laggard_streams",
-            "xDS streams that missed the settle deadline and have not answered since: EDS publishes do not "
-            "wait for them.", registry=r)
+            "xDS clients (distinct node ids) with a stream that missed the settle deadline and has not answered "
+            "its last push since: EDS publishes do not wait for them.", registry=r)
         self.xds_refused = Counter(
             "inferlb_cp_xds_refused",
             "xDS streams refused at their first request, by reason (node_cluster: not in "
@@ -189,9 +189,12 @@ class ControlPlaneMetrics:
             with contextlib.suppress(KeyError):
                 self.scrapes.remove(endpoint_id, result)
 
-    def snapshot_published(self, changed_types: frozenset[str], seconds: float, laggards: int = 0) -> None:
+    def count_laggards(self, laggards: Callable[[], int]) -> None:
+        """Read ``inferlb_cp_xds_laggard_streams`` from ``laggards`` at each collection (live, not per publish)."""
+        self.xds_laggards.set_function(laggards)
+
+    def snapshot_published(self, changed_types: frozenset[str], seconds: float) -> None:
         self.snapshot_build.observe(seconds)
-        self.xds_laggards.set(laggards)
         for type_url in changed_types:
             self.snapshots.labels(type=_type(type_url)).inc()
 

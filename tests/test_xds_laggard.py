@@ -28,7 +28,7 @@ from control_plane.type_urls import ENDPOINT
 from control_plane.xds import SnapshotCache
 
 from .stack import prometheus_samples, sample
-from .test_xds_server import acked, envoy_like_sync, run, synced, type_status, until, xds_server
+from .test_xds_server import acked, envoy_like_sync, run, snapshot, synced, type_status, until, xds_server
 from .xds_client import SotwClient
 
 HOUR = 3600.0
@@ -81,6 +81,8 @@ def test_a_client_that_never_acks_costs_one_deadline_not_one_per_publish(monkeyp
                 await mute.ack(mute.of_type(ENDPOINT)[-1])
                 await until(lambda: (s := type_status(cache, "envoy-mute", ENDPOINT)).acked_version == s.sent_version,
                             "the mute client to answer its last push")
+                # Read live: /metrics says so before any publish (it lagged behind until the next one before).
+                assert cache.laggards() == frozenset() and laggard_gauge(metrics) == 0
                 controller.update(reweigh(11))
                 await asyncio.wait_for(controller.publish(), 30)
                 assert cache.laggards() == frozenset() and laggard_gauge(metrics) == 0
@@ -90,4 +92,38 @@ def test_a_client_that_never_acks_costs_one_deadline_not_one_per_publish(monkeyp
                 # Waited for like any other: it had ACKed the new EDS before the publish returned.
                 assert type_status(cache, "envoy-mute", ENDPOINT).acked_version == version
                 await until(lambda: cache.default_settled(ENDPOINT), "every client to settle")
+    run(scenario)
+
+
+def test_the_cache_wait_skips_a_laggard_and_forgets_it_when_it_leaves() -> None:
+    """The mechanism itself, on the cache: after one missed deadline the wait set holds the good stream only."""
+    async def scenario() -> None:
+        cache = SnapshotCache()
+        cache.set_default_snapshot(snapshot(weights={"workers": {"10.0.0.1:8101": 1}}))
+        async with xds_server(cache) as address:
+            async with SotwClient(address, "envoy-good", "inferlb", follow_clusters=True) as good:
+                mute = SotwClient(address, "envoy-mute", "inferlb", follow_clusters=True)
+                await mute.start()
+                try:
+                    for client in (good, mute):
+                        await envoy_like_sync(client)
+                        await acked(cache, client.node.id, ENDPOINT, cache.get("inferlb").version(ENDPOINT))
+                    mute.auto_ack = False
+
+                    cache.set_default_snapshot(snapshot(weights={"workers": {"10.0.0.1:8101": 2}}))
+                    assert not await cache.wait_default_settled(ENDPOINT, 0.2)  # the mute one never answers
+                    # (a loaded machine may make the good one miss it too: it answers, so it is waited for again)
+                    await acked(cache, "envoy-good", ENDPOINT, cache.get("inferlb").version(ENDPOINT))
+                    assert cache.laggards() == {"envoy-mute"}
+
+                    for weight in range(3, 6):  # an hour's deadline: returns once the good one has ACKed
+                        cache.set_default_snapshot(snapshot(weights={"workers": {"10.0.0.1:8101": weight}}))
+                        version = cache.get("inferlb").version(ENDPOINT)
+                        assert await asyncio.wait_for(cache.wait_default_settled(ENDPOINT, HOUR), 30)
+                        assert type_status(cache, "envoy-good", ENDPOINT).acked_version == version
+                        assert type_status(cache, "envoy-mute", ENDPOINT).acked_version != version
+                    assert cache.laggards() == {"envoy-mute"}
+                finally:
+                    await mute.close()
+                await until(lambda: cache.laggards() == frozenset(), "the laggard that left to be forgotten")
     run(scenario)

@@ -47,8 +47,9 @@ class Watch:
         self.record = record
         self._wake = wake
         self.closed = False
-        # Missed a settle deadline and has not answered its last push since: publishes stop waiting for it.
-        self.lagging = False
+        # The type URL whose settle deadline it missed, until it has answered its last push of that type:
+        # publishes do not wait for it meanwhile. None: not lagging.
+        self.lagging: str | None = None
         # monotonic time of the first snapshot change not yet seen by the stream
         self.changed_at: float | None = None
 
@@ -157,8 +158,8 @@ class SnapshotCache:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 for watch in pending:
-                    if not watch.lagging:
-                        watch.lagging = True
+                    if watch.lagging is None:
+                        watch.lagging = type_url
                         log.warning("xDS client missed the settle deadline: publishes stop waiting for it "
                                     "until it answers", extra={"node_id": watch.record.node_id,
                                                                "stream_id": watch.record.stream_id,
@@ -168,8 +169,10 @@ class SnapshotCache:
                 await asyncio.wait_for(self._progress.wait(), remaining)
 
     def laggards(self) -> frozenset[str]:
-        """The node ids of the streams publishes do not wait for (see :meth:`wait_default_settled`)."""
-        return frozenset(w.record.node_id for watches in self._watches.values() for w in watches if w.lagging)
+        """The node ids of the connected streams publishes do not wait for (see :meth:`wait_default_settled`),
+        as of now: one that has answered since, or left, is none (so /metrics need not wait for a publish)."""
+        return frozenset(w.record.node_id for watches in self._watches.values() for w in watches
+                         if self._still_lagging(w))
 
     def _default_unsettled(self, type_url: str, skip_laggards: bool = False) -> list[Watch]:
         if self._default is None:
@@ -181,20 +184,21 @@ class SnapshotCache:
                 continue
             for watch in watches:
                 if self._settled(watch, type_url, version):
-                    watch.lagging = False
-                elif not (skip_laggards and self._still_lagging(watch, type_url)):
+                    watch.lagging = None
+                elif not (skip_laggards and self._still_lagging(watch)):
                     unsettled.append(watch)
         return unsettled
 
-    def _still_lagging(self, watch: Watch, type_url: str) -> bool:
-        """A laggard stays one until it has answered the last push it was sent."""
-        if not watch.lagging:
+    def _still_lagging(self, watch: Watch) -> bool:
+        """A laggard stays one until it has answered the last push it was sent of the type it lagged on."""
+        if watch.lagging is None:
             return False
-        status = watch.record.status().types.get(type_url)
+        status = watch.record.status().types.get(watch.lagging)
         answered = status is None or status.acked_version == status.sent_version or (
             status.last_nack is not None and status.last_nack.version == status.sent_version)
-        watch.lagging = not answered
-        return watch.lagging
+        if answered:
+            watch.lagging = None
+        return not answered
 
     def _settled(self, watch: Watch, type_url: str, version: str) -> bool:
         if watch not in self._watches.get(watch.group, ()):
