@@ -5,15 +5,20 @@ Envoy's ext_proc filter reaches replica A only; replica B is connected to the co
 request (as a replica that Envoy no longer sends to, or that is wedged). Before: both stayed listed, so A
 picked from half of a large fleet and the other half was left to B, which picks nothing. Now the control
 plane reads each replica's decision count every scrape interval and lists only those whose count grew:
-A alone while it carries the traffic, both again once the fleet is idle.
+A alone while it carries the traffic, both while both do (B's requests sent straight to its gRPC port, as
+a second Envoy would), A alone again once B stops, and both again once the fleet is idle.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from .conftest import free_port
 from .stack import (
@@ -27,12 +32,46 @@ from .stack import (
     wait_for,
 )
 
+from .test_ext_proc_service import request_body, request_headers
+
 pytestmark = pytest.mark.slow
 
 
 def partition(ext_proc: ExtProc) -> tuple[float | None, float | None]:
     metrics = ext_proc.metrics()
     return (sample(metrics, "inferlb_ext_proc_partition_index"), sample(metrics, "inferlb_ext_proc_partition_count"))
+
+
+class DirectDecisions:
+    """Asks one ext_proc for picks over its gRPC port (headers, body, then the stream is cancelled, as when a
+    client leaves), one at a time, until stopped, ``max_requests`` are sent or ``max_seconds`` pass."""
+
+    def __init__(self, port: int, *, max_requests: int = 5_000, max_seconds: float = 90) -> None:
+        self.port, self.max_requests, self.max_seconds = port, max_requests, max_seconds
+        self.stop_event = threading.Event()
+        self.picked = 0
+        self._thread = threading.Thread(target=self._loop, name="direct-decisions", daemon=True)
+
+    def _loop(self) -> None:
+        deadline = time.monotonic() + self.max_seconds
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            while not self.stop_event.is_set() and time.monotonic() < deadline and self.picked < self.max_requests:
+                call = stub.Process(iter([request_headers(), request_body({"input": "partition me too"})]),
+                                    timeout=30)
+                try:
+                    next(call), next(call)  # the headers' and the body's answers: the pick is made
+                    self.picked += 1
+                finally:
+                    call.cancel()
+
+    def __enter__(self) -> "DirectDecisions":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        self._thread.join(60)
 
 
 def test_an_idle_replica_gives_its_partition_to_the_one_carrying_traffic(tmp_path: Path) -> None:
@@ -59,6 +98,15 @@ def test_an_idle_replica_gives_its_partition_to_the_one_carrying_traffic(tmp_pat
             wait_for(lambda: partition(busy) == (0, 1) and partition(idle) == (0, 1), 60,
                      lambda: f"A to be listed alone; A {partition(busy)}, B {partition(idle)}", procs)
             assert sample(idle.metrics(), "inferlb_ext_proc_decision_seconds_count") in (None, 0.0)
+
+            # B carries traffic too: both are listed again while both do.
+            with DirectDecisions(idle.port) as direct:
+                wait_for(lambda: partition(busy) == (0, 2) and partition(idle) == (1, 2), 60,
+                         lambda: f"both busy replicas listed; A {partition(busy)}, B {partition(idle)}", procs)
+            assert direct.picked > 0
+            # B stopped carrying traffic: it drops out again.
+            wait_for(lambda: partition(busy) == (0, 1) and partition(idle) == (0, 1), 60,
+                     lambda: f"A to be listed alone again; A {partition(busy)}, B {partition(idle)}", procs)
         assert load.result.codes.get(200, 0) > 0 and set(load.result.codes) == {200}, load.result
 
         # Idle again: both listed again.

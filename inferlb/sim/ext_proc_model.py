@@ -13,7 +13,9 @@ simulated clock:
   refreshed every scrape interval (lagging the truth);
 * its index among the replicas (``Picker.set_partition``), as the control
   plane's ``ext_proc_replicas`` list gives it; the simulated replicas stay
-  connected throughout, so the list never changes and its staleness is moot.
+  connected and all carry traffic (requests are spread over every one), so
+  the list (the replicas whose decision count grows) never changes and its
+  staleness is moot.
 
 When the policy ranks nothing, Envoy's fallback (weighted least_request on the
 same weights) routes the request, as ``failure_mode_allow`` does live.
