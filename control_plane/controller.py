@@ -14,8 +14,9 @@ Envoys' one unchanged: nothing is pushed to Envoys.
 
 Envoys first: when the Envoys' EDS changed, ext_proc's snapshot is built only
 once every Envoy has acknowledged it (or after ``ENVOYS_FIRST_MAX_WAIT_S``;
-an Envoy that misses that deadline is not waited for again until it answers,
-so a client that never ACKs cannot slow every publish).
+a stream that never answered an EDS is not waited for, and one that misses
+that deadline not again until it answers, so a client that never ACKs cannot
+slow publishes: ``SnapshotCache.wait_default_settled``).
 Make before break: ext_proc never picks an endpoint its Envoy does not know
 yet (override_host would fall back). And building the rich EDS is pure Python
 that holds the GIL: run while Envoys are being pushed to, it slowed their

@@ -24,7 +24,7 @@ from control_plane.config import ControlPlaneConfig
 from control_plane.controller import Controller
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model import Endpoint, FleetState
-from control_plane.type_urls import ENDPOINT
+from control_plane.type_urls import CLUSTER, ENDPOINT
 from control_plane.xds import SnapshotCache
 
 from .stack import prometheus_samples, sample
@@ -126,4 +126,31 @@ def test_the_cache_wait_skips_a_laggard_and_forgets_it_when_it_leaves() -> None:
                 finally:
                     await mute.close()
                 await until(lambda: cache.laggards() == frozenset(), "the laggard that left to be forgotten")
+    run(scenario)
+
+
+def test_a_client_that_never_acked_an_eds_is_not_waited_for_at_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One that connects and never answers costs no deadline: it has shown no EDS it serves with."""
+    state = FleetState(endpoints=(Endpoint("10.0.0.1", 8101), Endpoint("10.0.0.2", 8102)))
+
+    async def scenario() -> None:
+        cache = SnapshotCache()
+        controller = Controller(ControlPlaneConfig(), cache, None, state)
+        await controller.publish()
+        monkeypatch.setattr(controller_module, "ENVOYS_FIRST_MAX_WAIT_S", HOUR)
+        async with xds_server(cache) as address:
+            async with SotwClient(address, "envoy-good", "inferlb", follow_clusters=True) as good, \
+                    SotwClient(address, "envoy-mute", "inferlb", follow_clusters=True, auto_ack=False) as mute:
+                await envoy_like_sync(good)
+                await synced(cache, "envoy-good", controller.snapshot)
+                await mute.subscribe(CLUSTER)  # and EDS for the clusters it gets, as Envoy does; answers nothing
+                await until(lambda: (s := type_status(cache, "envoy-mute", ENDPOINT)) and s.sent_version,
+                            "the mute client to be sent the endpoints")
+                for weight in range(5, 8):
+                    controller.update(reweigh(weight))
+                    await asyncio.wait_for(controller.publish(), 30)  # an hour's deadline: never reached
+                    version = controller.snapshot.version(ENDPOINT)
+                    assert type_status(cache, "envoy-good", ENDPOINT).acked_version == version  # waited for
+                    assert type_status(cache, "envoy-mute", ENDPOINT).acked_version == ""
+                assert cache.laggards() == frozenset()  # never waited for, so never late
     run(scenario)

@@ -138,14 +138,19 @@ class SnapshotCache:
     async def wait_default_settled(self, type_url: str, timeout: float) -> bool:
         """Wait, at most ``timeout`` seconds, for :meth:`default_settled`; return whether it is.
 
-        Streams that connect meanwhile are not waited for, nor are laggards: a
-        stream still pending at the deadline is marked lagging and not waited
-        for again until it has answered (ACK or NACK) the last push it was
-        sent. So a client that never ACKs costs one deadline, once, not one
-        per publish. Each ACK costs one check (of the first stream still
-        pending), not one per stream.
+        Not waited for: streams that connect meanwhile; streams that have
+        never answered (ACK or NACK) a push of ``type_url`` (Envoy serves
+        nothing with a cluster until its first EDS, which it then ACKs; a
+        reconnected Envoy is not waited for during its first push, so ext_proc
+        may learn of an endpoint one round trip before it, and override_host
+        falls back meanwhile); and laggards: a stream still pending at the
+        deadline is marked lagging and not waited for again until it has
+        answered the last push it was sent. So a client that never ACKs costs
+        no deadline, and one that stops ACKing costs one, once, not one per
+        publish. Each ACK costs one check (of the first stream still pending),
+        not one per stream.
         """
-        pending = collections.deque(self._default_unsettled(type_url, skip_laggards=True))
+        pending = collections.deque(self._default_unsettled(type_url, waited_only=True))
         version = self._default.version(type_url) if self._default is not None else ""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -174,7 +179,7 @@ class SnapshotCache:
         return frozenset(w.record.node_id for watches in self._watches.values() for w in watches
                          if self._still_lagging(w))
 
-    def _default_unsettled(self, type_url: str, skip_laggards: bool = False) -> list[Watch]:
+    def _default_unsettled(self, type_url: str, waited_only: bool = False) -> list[Watch]:
         if self._default is None:
             return []
         version = self._default.version(type_url)
@@ -185,9 +190,15 @@ class SnapshotCache:
             for watch in watches:
                 if self._settled(watch, type_url, version):
                     watch.lagging = None
-                elif not (skip_laggards and self._still_lagging(watch)):
+                elif not (waited_only and (self._still_lagging(watch) or not self._ever_answered(watch, type_url))):
                     unsettled.append(watch)
         return unsettled
+
+    @staticmethod
+    def _ever_answered(watch: Watch, type_url: str) -> bool:
+        """Has the stream answered a push of ``type_url`` (on this stream: a client cannot claim it)?"""
+        status = watch.record.status().types.get(type_url)
+        return status is not None and (status.acked_version != "" or status.last_nack is not None)
 
     def _still_lagging(self, watch: Watch) -> bool:
         """A laggard stays one until it has answered the last push it was sent of the type it lagged on."""
