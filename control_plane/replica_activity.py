@@ -27,6 +27,8 @@ from typing import Protocol
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferlb_runtime.hostport import authority
+
 from .scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
 
 log = logging.getLogger("inferlb.control_plane.replicas")
@@ -91,9 +93,16 @@ class ReplicaSink(Protocol):
 async def watch_replicas(sink: ReplicaSink, config: ScraperConfig) -> None:
     """Every ``interval_s``: read the replicas' decision counts and hand the active set over (until cancelled)."""
     activity = ReplicaActivity()
+    unreadable: frozenset[str] = frozenset()
     async with Scraper(config).make_client() as client:
         while True:
             targets = sink.ext_proc_targets()
             counts = await read_decision_counts(client, targets, config) if targets else {}
+            now_unreadable = frozenset(node for node, count in counts.items() if count is None)
+            if now_unreadable - unreadable:  # once per change: its /metrics must listen where its stream comes from
+                log.warning("ext_proc replica decision counts unreadable: such a replica is listed only while "
+                            "none carries traffic", extra={"replicas": {node: authority(*targets[node]) for node in
+                                                                        sorted(now_unreadable - unreadable)}})
+            unreadable = now_unreadable
             sink.set_active_replicas(activity.observe(counts))
             await asyncio.sleep(config.interval_s)  # the scrape interval itself, not a synchronisation

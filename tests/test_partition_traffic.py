@@ -11,6 +11,9 @@ a second Envoy would), A alone again once B stops, and both again once the fleet
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import threading
 import time
 from contextlib import ExitStack
@@ -19,6 +22,9 @@ from pathlib import Path
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from control_plane.replica_activity import watch_replicas
+from control_plane.scraper import ScraperConfig
 
 from .conftest import free_port
 from .stack import (
@@ -112,3 +118,37 @@ def test_an_idle_replica_gives_its_partition_to_the_one_carrying_traffic(tmp_pat
         # Idle again: both listed again.
         wait_for(lambda: partition(busy) == (0, 2) and partition(idle) == (1, 2), 60,
                  lambda: f"both replicas listed again; A {partition(busy)}, B {partition(idle)}", procs)
+
+
+def test_a_replica_whose_decisions_cannot_be_read_is_named_once_and_not_listed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A replica whose /metrics does not answer where its stream comes from (listening on loopback on another
+    host, say) cannot be seen carrying traffic: the operator is told once, not every interval."""
+    class Sink:
+        def __init__(self) -> None:
+            self.looks: list[frozenset[str]] = []
+
+        def ext_proc_targets(self) -> dict[str, tuple[str, int]]:
+            return {"ext-proc-deaf": ("127.0.0.1", free_port())}  # nothing listens there
+
+        def set_active_replicas(self, active: frozenset[str]) -> None:
+            self.looks.append(active)
+
+    async def scenario() -> Sink:
+        sink = Sink()
+        task = asyncio.create_task(watch_replicas(sink, ScraperConfig(interval_s=0.01, timeout_s=5)))
+        try:
+            async with asyncio.timeout(30):
+                while len(sink.looks) < 3:
+                    await asyncio.sleep(0.01)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return sink
+
+    with caplog.at_level(logging.WARNING, logger="inferlb.control_plane.replicas"):
+        sink = asyncio.run(scenario())
+    assert set(sink.looks) == {frozenset()}
+    named = [r for r in caplog.records if "unreadable" in r.getMessage()]
+    assert len(named) == 1 and "ext-proc-deaf" in named[0].replicas, caplog.text  # type: ignore[attr-defined]
