@@ -8,9 +8,12 @@ the admin API or from EDS metadata, so it is untrusted: it may name an entry
 point of the ``inferlb.policies`` group (installed by the operator), or a
 ``module:attribute`` spec whose module lies under a prefix the operator's
 :class:`PolicyAllowlist` names (none by default). The spec string is checked
-before anything is imported, and the object is checked before anything is
-constructed or called: a class whose instances have the kind's method, or
-such an instance. A function such as ``os:system`` is never called.
+before anything is imported; the attribute path may not pass through a
+module, and a class must be defined under an allowed prefix (not imported
+into one), so a spec cannot reach past the modules the operator named. The
+object is checked before anything is constructed or called: a class whose
+instances have the kind's method, or such an instance. A function such as
+``os:system`` is never called.
 
 What it knows of a policy is duck-typed:
 
@@ -81,7 +84,9 @@ class PolicyAllowlist:
                 raise ValueError(f"policy module prefix {prefix!r} is not a dotted module name (e.g. acme.policies)")
 
     def allows(self, spec: str) -> bool:
-        module = spec.split(":", 1)[0]
+        return self.allows_module(spec.split(":", 1)[0])
+
+    def allows_module(self, module: str) -> bool:
         return any(module == p or module.startswith(p + ".") for p in self.module_prefixes)
 
     def describe(self) -> str:
@@ -99,7 +104,8 @@ def is_spec(name: object) -> bool:
 
 
 def load_object(spec: str) -> Any:
-    """Import ``module`` and return ``attribute`` of ``module:attribute``; ``PolicyNotFound`` saying what failed."""
+    """Import ``module`` and return ``attribute`` of ``module:attribute``; ``PolicyNotFound`` saying what failed
+    (also when the attribute path passes through a module: the module part alone says where code comes from)."""
     if not is_spec(spec):
         raise PolicyNotFound(f"{spec!r} is not a module:attribute spec (for example mypkg.policies:MyPolicy)")
     module_name, attribute = spec.split(":", 1)
@@ -118,6 +124,9 @@ def load_object(spec: str) -> Any:
             obj = getattr(obj, part)
         except AttributeError:
             raise PolicyNotFound(f"{spec}: module {module_name!r} has no attribute {attribute!r}") from None
+        if isinstance(obj, types.ModuleType):  # mypkg:os.system would leave the module the allowlist checked
+            raise PolicyNotFound(f"{spec}: {part!r} is a module; name a module before the colon, an attribute "
+                                 "after it")
     return obj
 
 
@@ -188,8 +197,20 @@ def resolve(kind: Kind, name: str, allow: PolicyAllowlist = PolicyAllowlist()) -
         raise PolicyNotFound(f"{name}: module {name.split(':', 1)[0]!r} is not under a module prefix the operator "
                              "allows")
     obj = load_object(name)
+    check_origin(name, obj, allow)
     check_kind(kind, name, obj)
     return obj, "spec"
+
+
+def check_origin(spec: str, obj: Any, allow: PolicyAllowlist) -> None:
+    """``PolicyNotFound`` unless a class ``spec`` leads to is defined under an allowed prefix, not merely
+    imported into one (``mypkg:Popen`` after ``from subprocess import Popen``). An instance the allowed
+    module made is its own choice and passes; :func:`load_object` already refused a path through a module."""
+    if inspect.isclass(obj):
+        defined_in = getattr(obj, "__module__", None)
+        if not isinstance(defined_in, str) or not allow.allows_module(defined_in):
+            raise PolicyNotFound(f"{spec}: class {obj.__name__} is defined in module {defined_in!r}, which is not "
+                                 "under a module prefix the operator allows")
 
 
 def allowed_names(kind: Kind, builtins: Iterable[str], allow: PolicyAllowlist) -> str:
@@ -517,7 +538,7 @@ def describe_exception(exc: BaseException) -> str:
 
 
 __all__ = ["GROUP", "BadPolicyParams", "FailureStreak", "LogLimiter", "PolicyAllowlist", "PolicyNotFound", "build",
-           "allowed_names", "check_kind", "dataclass_schema", "describe",
+           "allowed_names", "check_kind", "check_origin", "dataclass_schema", "describe",
            "describe_entry_points", "entry_point_objects", "find_entry_point", "instantiate", "is_spec",
            "load_object", "params_class", "params_schema", "parse_params", "resolve", "summary",
            "validate_params"]
