@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from typing import Iterator
 
 import httpx
 import pytest
+
+from inferlb.bench.processes import free_port  # noqa: F401 - tests import it from here
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -35,12 +36,6 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The model cache: ``$INFERLB_DATA_DIR`` (set by the Makefile) so runs reuse it."""
     configured = os.environ.get("INFERLB_DATA_DIR")
     return Path(configured) if configured else tmp_path_factory.mktemp("inferlb-data")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]

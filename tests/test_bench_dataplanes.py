@@ -67,8 +67,8 @@ def test_static_bootstrap_policy_and_fleet(configuration: str, policy: str, type
     assert doc["admin"]["address"]["socket_address"]["port_value"] == 20002
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     (route,) = manager["route_config"]["virtual_hosts"][0]["routes"]
-    assert route["route"] == {"cluster": "workers", "timeout": "7.5s"}  # no retry_policy: no retries
-    assert manager["request_timeout"] == manager["stream_idle_timeout"] == "7.5s"
+    assert route["route"] == {"cluster": "workers", "timeout": "7.500s"}  # no retry_policy: no retries
+    assert manager["request_timeout"] == manager["stream_idle_timeout"] == "7.500s"
     # inferlb's own Envoy has the same limits; Envoy's default 1024 pending would fail requests earlier.
     assert cluster["circuit_breakers"]["thresholds"][0]["max_pending_requests"] == 4096
 

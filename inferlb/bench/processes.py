@@ -11,11 +11,19 @@ quietly replaced, since a restarted worker would have fresh queues.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from types import TracebackType
 from typing import Callable, Sequence
 
 from ..supervisor import Component, Running, Supervisor
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel just handed out on ``host`` (IPv6 when it holds a colon), free at the time of asking."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 class ComponentDied(RuntimeError):

@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from .capacity import Probe, capacity_from_probes, next_probe_rps, theoretical_c
 from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
 from .dataplanes.launch import DataPlaneError, pick_decisions, start_data_plane
 from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set_speed
-from .processes import ComponentDied, ProcessGroup
+from .processes import ComponentDied, ProcessGroup, free_port
 from .results import RunResult
 from .scenario import PICK_PREFIX, Scenario, known_configuration
 from .table import TARGET_LOAD, render_markdown
@@ -115,12 +114,6 @@ def estimate_seconds(scenario: Scenario, plans: Sequence[ConfigurationPlan], sta
 
 def _slug(configuration: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", configuration)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def find_envoy() -> str:

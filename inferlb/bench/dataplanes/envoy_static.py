@@ -1,12 +1,18 @@
-"""Envoy with its own balancer: a static bootstrap, the fleet as a STATIC cluster.
+"""The one static Envoy config of the bench, derived from the control plane's own builders.
 
-The baselines (a)-(c) of the comparison. Everything but the load-balancing
-policy is the same as in inferlb's own Envoy (``control_plane/resources.py``),
-so that the policy is the only difference: one HTTP listener, one route to the
-``workers`` cluster, the same request/idle/route timeout, no retries (the bench
-sets inferlb's to 0 too), the same circuit-breaker thresholds (Envoy's default
-1024 pending would fail requests that inferlb's Envoy queues), and the same
-local replies (Envoy's own errors in OpenAI's shape: ``build_local_reply_config``).
+Every static Envoy the bench starts (the baselines (a)-(c) of ``inferlb bench
+run``, and the no-filter / trivial-servicer / ext_proc Envoys of ``inferlb bench
+ext-proc``) is ``static_bootstrap``: the very Listener, RouteConfiguration and
+Cluster protos that ``control_plane.resources`` sends over xDS, with the route
+inline instead of RDS and the endpoints inline instead of EDS. So the listener,
+timeouts, circuit breakers, health checks and local replies (Envoy's own errors
+in OpenAI's shape) are inferlb's own, and what a benchmark varies is named:
+
+- the baselines keep everything but the load-balancing policy (``render_static_bootstrap``):
+  Envoy's own balancer instead of override_host, no ext_proc filter, no retries
+  (the bench sets inferlb's to 0 too);
+- the ext_proc bench keeps or removes the ext_proc filter, trims its messages, or
+  has Envoy answer by itself (``direct_response``).
 
 CSWRR (``envoy_cswrr_orca``) reads the ORCA report that every worker puts on
 every response (``endpoint-load-metrics: TEXT cpu_utilization=..,
@@ -21,11 +27,19 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from envoy.config.bootstrap.v3 import bootstrap_pb2
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.route.v3 import route_components_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
+from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from google.protobuf import json_format
 
-from control_plane.resources import build_local_reply_config
+from control_plane import resources
+from control_plane.config import DataPlaneConfig
+from control_plane.model import DataPlaneSettings, Endpoint, FleetState
 
-WORKERS_CLUSTER = "workers"
+WORKERS_CLUSTER = DataPlaneSettings().workers_cluster
+NODE_CLUSTER = "inferlb-bench"
 
 ROUND_ROBIN = "envoy.load_balancing_policies.round_robin"
 LEAST_REQUEST = "envoy.load_balancing_policies.least_request"
@@ -60,14 +74,6 @@ POLICIES: Mapping[str, tuple[str, Mapping[str, Any]]] = {
     "envoy_cswrr_orca": (CSWRR, CSWRR_SETTINGS),
 }
 
-# The same thresholds as inferlb's workers cluster (control_plane/model.py DataPlaneSettings).
-CIRCUIT_BREAKER_LIMIT = 4096
-
-
-def _seconds(value: float) -> str:
-    return f"{value:g}s"
-
-
 def lb_policy(configuration: str) -> dict[str, Any]:
     """The cluster's ``load_balancing_policy`` for one baseline configuration."""
     try:
@@ -76,6 +82,85 @@ def lb_policy(configuration: str) -> dict[str, Any]:
         raise ValueError(f"not an Envoy baseline: {configuration!r}; known: {', '.join(POLICIES)}") from None
     return {"policies": [{"typed_extension_config": {
         "name": name, "typed_config": {"@type": _TYPES[name], **settings}}}]}
+
+
+def _manager(listener: Any) -> tuple[Any, hcm_pb2.HttpConnectionManager]:
+    """The listener's HTTP connection manager, unpacked (and the Any to pack it back into)."""
+    packed = listener.filter_chains[0].filters[0].typed_config
+    manager = hcm_pb2.HttpConnectionManager()
+    if not packed.Unpack(manager):
+        raise RuntimeError("the listener's first network filter is not the HTTP connection manager")
+    return packed, manager
+
+
+def _trim_ext_proc(manager: hcm_pb2.HttpConnectionManager, messages: int) -> None:
+    """``messages`` < 3: skip the response headers (2), then the request headers too (1: body only)."""
+    for http_filter in manager.http_filters:
+        if http_filter.name == resources.EXT_PROC_FILTER:
+            config = ext_proc_pb2.ExternalProcessor()
+            http_filter.typed_config.Unpack(config)
+            config.processing_mode.response_header_mode = processing_mode_pb2.ProcessingMode.SKIP
+            if messages < 2:
+                config.processing_mode.request_header_mode = processing_mode_pb2.ProcessingMode.SKIP
+            http_filter.typed_config.Pack(config)
+
+
+def static_bootstrap(settings: DataPlaneSettings, endpoints: Sequence[tuple[str, int]], *, admin_port: int,
+                     node_id: str = "inferlb-bench", ext_proc_messages: int = 3,
+                     direct_response: bytes | None = None) -> bootstrap_pb2.Bootstrap:
+    """A static Envoy of ``settings`` in front of ``endpoints``: the control plane's listener, route and
+    workers cluster (and its ext_proc cluster when ``settings.ext_proc.enabled``), made static.
+
+    ``ext_proc_messages``: 3 as the control plane builds it (request headers, buffered body, response
+    headers); 2 skips the response headers; 1 the request headers too (body only: Envoy's router then
+    picks the host at the request headers, before ext_proc answers, so override_host never sees the
+    pick: a floor, not an option). ``direct_response``: Envoy answers 200 with this body itself instead
+    of routing to the workers, so that the upstream costs nothing. Without retries
+    (``settings.retries == 0``) the route carries no retry policy at all.
+    """
+    if not endpoints:
+        raise ValueError("a static Envoy needs at least one endpoint")
+    if ext_proc_messages not in (1, 2, 3):
+        raise ValueError(f"ext_proc_messages is 1, 2 or 3, got {ext_proc_messages}")
+    listener = resources.build_listener(settings)
+    packed, manager = _manager(listener)
+    if settings.ext_proc.enabled and ext_proc_messages < 3:
+        _trim_ext_proc(manager, ext_proc_messages)
+    routes = resources.build_route_configuration(settings)
+    for route in routes.virtual_hosts[0].routes:
+        if settings.retries == 0:
+            route.route.ClearField("retry_policy")
+        if direct_response is not None:
+            route.direct_response.CopyFrom(route_components_pb2.DirectResponseAction(status=200))
+            route.direct_response.body.inline_bytes = direct_response
+    manager.route_config.CopyFrom(routes)  # replaces rds (a oneof)
+    packed.Pack(manager)
+    cluster = resources.build_workers_cluster(settings)
+    cluster.type = cluster_pb2.Cluster.STATIC
+    cluster.ClearField("eds_cluster_config")
+    fleet = FleetState(endpoints=tuple(Endpoint(host, port) for host, port in endpoints), settings=settings)
+    cluster.load_assignment.CopyFrom(resources.build_load_assignment(fleet))
+    # build_load_assignment sorts by id; keep the fleet's own order (worker i is the i-th host)
+    by_id = {f"{e.endpoint.address.socket_address.address}:{e.endpoint.address.socket_address.port_value}": e
+             for e in cluster.load_assignment.endpoints[0].lb_endpoints}
+    ordered = [by_id[f"{host}:{port}"] for host, port in endpoints]
+    del cluster.load_assignment.endpoints[0].lb_endpoints[:]
+    cluster.load_assignment.endpoints[0].lb_endpoints.extend(ordered)
+    bootstrap = bootstrap_pb2.Bootstrap()
+    bootstrap.node.id = node_id
+    bootstrap.node.cluster = NODE_CLUSTER
+    bootstrap.admin.address.socket_address.address = "127.0.0.1"
+    bootstrap.admin.address.socket_address.port_value = admin_port
+    bootstrap.static_resources.listeners.append(listener)
+    bootstrap.static_resources.clusters.append(cluster)
+    if settings.ext_proc.enabled:
+        bootstrap.static_resources.clusters.append(resources.build_ext_proc_cluster(settings))
+    return bootstrap
+
+
+def bootstrap_dict(bootstrap: bootstrap_pb2.Bootstrap) -> dict[str, Any]:
+    """The bootstrap as Envoy reads it from JSON (proto field names)."""
+    return json_format.MessageToDict(bootstrap, preserving_proto_field_name=True)
 
 
 def render_static_bootstrap(
@@ -87,50 +172,13 @@ def render_static_bootstrap(
     request_timeout_s: float,
     node_id: str = "inferlb-bench",
 ) -> dict[str, Any]:
-    """The whole bootstrap (a dict: write it as JSON, which is YAML) of one Envoy baseline."""
+    """The whole bootstrap (a dict: write it as JSON, which is YAML) of one Envoy baseline: inferlb's
+    static Envoy without ext_proc and retries, with Envoy's own balancer for ``configuration``."""
+    policy = lb_policy(configuration)
     if not endpoints:
         raise ValueError("a baseline needs at least one endpoint")
-    timeout = _seconds(request_timeout_s)
-    limit = CIRCUIT_BREAKER_LIMIT
-    route = {"match": {"prefix": "/"}, "route": {"cluster": WORKERS_CLUSTER, "timeout": timeout}}
-    manager = {
-        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
-                 "HttpConnectionManager",
-        "stat_prefix": "bench_http",
-        "codec_type": "AUTO",
-        "route_config": {"name": "bench_routes",
-                         "virtual_hosts": [{"name": "workers", "domains": ["*"], "routes": [route]}]},
-        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
-        "request_timeout": timeout,
-        "stream_idle_timeout": timeout,
-        "use_remote_address": False,
-        # No body buffer limit here (nothing buffers the body): the 413 message names none.
-        "local_reply_config": json_format.MessageToDict(build_local_reply_config(None),
-                                                        preserving_proto_field_name=True),
-    }
-    cluster = {
-        "name": WORKERS_CLUSTER,
-        "type": "STATIC",
-        "connect_timeout": "1s",
-        "load_balancing_policy": lb_policy(configuration),
-        "circuit_breakers": {"thresholds": [{"priority": "DEFAULT", "max_connections": limit,
-                                             "max_pending_requests": limit, "max_requests": limit,
-                                             "max_retries": 64}]},
-        "load_assignment": {"cluster_name": WORKERS_CLUSTER, "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
-            for host, port in endpoints]}]},
-    }
-    return {
-        "node": {"id": node_id, "cluster": "inferlb-bench"},
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}},
-        "static_resources": {
-            "listeners": [{
-                "name": "bench_http",
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": listener_port}},
-                "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                                "typed_config": manager}]}],
-            }],
-            "clusters": [cluster],
-        },
-    }
+    settings = DataPlaneConfig(listener_port=listener_port, request_timeout_s=request_timeout_s, retries=0,
+                               ext_proc_enabled=False).settings()
+    doc = bootstrap_dict(static_bootstrap(settings, endpoints, admin_port=admin_port, node_id=node_id))
+    doc["static_resources"]["clusters"][0]["load_balancing_policy"] = policy
+    return doc
