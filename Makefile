@@ -49,7 +49,7 @@ test: system-deps model  ## the import contracts, then the whole test suite
 
 bench: model  ## benchmarks (results go in docs/benchmarks.md)
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(BENCH_APT_PACKAGES)"
-	$(PY) scripts/bench_worker.py --json docs/bench_worker.json
+	$(VENV)/bin/inferlb bench worker --json docs/bench_worker.json
 	$(PY) scripts/bench_xds.py --json docs/bench_xds.json
 	$(PY) scripts/bench_ext_proc.py --json docs/bench_ext_proc.json
 	@$(MAKE) --no-print-directory bench-routing

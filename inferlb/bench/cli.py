@@ -2,15 +2,17 @@
 
 ``inferlb bench load`` (one open-loop load against a URL) lives in
 ``load_command.py``; ``inferlb bench run`` (a scenario against every data-plane
-configuration) in ``run_command.py``. Both keep heavy imports (matplotlib,
-httpx) inside their ``main`` so that ``inferlb --help`` stays fast.
+configuration) in ``run_command.py``; the component benchmarks ``inferlb bench
+worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/`` and ``ext-proc`` in
+``ext_proc_bench/``. Each keeps heavy imports (matplotlib, the model, the
+services) inside its ``main`` so that ``inferlb --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from . import load_command, run_command
+from . import load_command, run_command, worker_bench
 
 
 def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -29,3 +31,8 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                               description=run_command.DESCRIPTION)
     run_command.add_arguments(run)
     run.set_defaults(func=run_command.main)
+    worker = commands.add_parser("worker", help="the worker: raw ONNX Runtime vs HTTP, batching, int8 vs fp32",
+                                 description=worker_bench.DESCRIPTION,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    worker_bench.add_arguments(worker)
+    worker.set_defaults(func=worker_bench.main)

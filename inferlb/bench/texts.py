@@ -73,3 +73,13 @@ def bodies_for(tokens: Sequence[int], *, inputs: int = 1, model: str = MODEL) ->
             body = cache[key] = embeddings_body(key[0], key[1], inputs=inputs, model=model)
         out.append(body)
     return out
+
+
+# Prose the worker and ext_proc benches cut their texts from (real sentences, varied tokens).
+CORPUS = (
+    "Load balancers for small models on CPUs must weigh each request by its size, because a request of "
+    "two hundred tokens costs many times one of ten. Envoy proxies the bytes while a control plane pushes "
+    "weights computed from telemetry, and an external processor picks the endpoint that will finish first. "
+    "Embedding models turn sentences into vectors; classifiers label them; small language models answer. "
+    "Machines differ in speed, noisy neighbours steal cycles, and queues build where nobody looks. "
+)
