@@ -51,7 +51,7 @@ bench: model  ## benchmarks (results go in docs/benchmarks.md)
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(BENCH_APT_PACKAGES)"
 	$(VENV)/bin/inferlb bench worker --json docs/bench_worker.json
 	$(PY) scripts/bench_xds.py --json docs/bench_xds.json
-	$(PY) scripts/bench_ext_proc.py --json docs/bench_ext_proc.json
+	$(VENV)/bin/inferlb bench ext-proc --json docs/bench_ext_proc.json
 	@$(MAKE) --no-print-directory bench-routing
 
 # inferlb against Envoy's and NGINX's own balancers on the emulated heterogeneous fleet, the

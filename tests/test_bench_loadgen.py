@@ -225,3 +225,17 @@ def test_plots_refuse_nothing_to_draw(tmp_path: Path) -> None:
         plot_cdfs([RunResult.from_json({**synthetic("x", 0.5, 0.01).to_json(), "cdf": []})], tmp_path / "a.png")
     with pytest.raises(ValueError, match="no results"):
         plot_load_latency([], tmp_path / "b.png")
+
+
+def test_service_time_runs_from_the_actual_send(slow_worker: SimWorker) -> None:
+    """The same held-back requests: their service time (from when the headers went out) is one service
+    time each, while their latency keeps the wait for the one connection; the send lag and the most
+    requests in flight are reported too."""
+    trace = fixed_trace(10, 0.05)
+    outcome = run_load_blocking(embeddings_url(slow_worker), trace, bodies_for(trace.tokens), slo_s=0.5,
+                                timeout_s=20, progress=False, max_connections=1)
+    assert outcome.service.count == outcome.completed == 10
+    assert outcome.service.max() < outcome.histogram.max() - 5 * JOB_S
+    assert outcome.max_inflight >= 2 and 0 <= outcome.send_lag_p50_s <= outcome.send_lag_p99_s
+    extra = outcome.to_result("x").extra
+    assert extra["service_p99_s"] == outcome.service.percentile(99) and extra["max_inflight"] == outcome.max_inflight

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from . import load_command, run_command, worker_bench
+from .ext_proc_bench import command as ext_proc_command
 
 
 def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -36,3 +37,8 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     worker_bench.add_arguments(worker)
     worker.set_defaults(func=worker_bench.main)
+    ext_proc = commands.add_parser("ext-proc", help="ext_proc: added latency, decisions per CPU-second, its floor",
+                                   description=ext_proc_command.DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    ext_proc_command.add_arguments(ext_proc)
+    ext_proc.set_defaults(func=ext_proc_command.main)

@@ -55,6 +55,9 @@ class LoadOutcome:
     measured_s: float  # the measured window: trace duration minus warm-up
     slo_s: float
     histogram: LatencyHistogram = field(default_factory=LatencyHistogram)  # 2xx answers only
+    # 2xx answers, from when the request's headers went out on a connection (not from its scheduled
+    # time): the service time alone, without the wait behind a late send or for a free connection
+    service: LatencyHistogram = field(default_factory=LatencyHistogram)
     sent: int = 0
     completed: int = 0
     within_slo: int = 0
@@ -64,9 +67,11 @@ class LoadOutcome:
     statuses: Counter[int] = field(default_factory=Counter)  # HTTP status -> answers (measured)
     error_kinds: Counter[str] = field(default_factory=Counter)  # exception class -> count (measured)
     spread: Counter[str] = field(default_factory=Counter)  # worker id -> 2xx answers (measured)
+    send_lag_p50_s: float = 0.0
     send_lag_p99_s: float = 0.0  # how late the client sent, vs the schedule
     send_lag_max_s: float = 0.0
     client_cpu_s: float = 0.0  # CPU seconds the generator process used during the run
+    max_inflight: int = 0  # requests sent and not yet answered, at most (all of them, warm-up included)
     wall_s: float = 0.0
 
     @property
@@ -89,7 +94,11 @@ class LoadOutcome:
                 "warmup_sent": self.warmup_sent,
                 "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
                 "error_kinds": dict(self.error_kinds),
+                "send_lag_p50_s": self.send_lag_p50_s,
                 "send_lag_p99_s": self.send_lag_p99_s,
+                "service_p50_s": self.service.percentile(50) if self.service.count else None,
+                "service_p99_s": self.service.percentile(99) if self.service.count else None,
+                "max_inflight": self.max_inflight,
                 "send_lag_max_s": self.send_lag_max_s,
                 "client_cpu_s": self.client_cpu_s,
                 "wall_s": self.wall_s,
@@ -136,12 +145,14 @@ async def run_load(
 
     async def one(i: int, scheduled: float, session: aiohttp.ClientSession) -> None:
         measured = send_at[i] >= warmup_s
+        sent: dict[str, float] = {}  # the trace hook below stamps "at" when the headers are out
         status: int | None = None
         worker = UNKNOWN_WORKER
         error: str | None = None
         try:
             async with asyncio.timeout_at(scheduled + timeout_s):
-                async with session.post(url, data=bodies[i], headers=request_headers) as response:
+                async with session.post(url, data=bodies[i], headers=request_headers,
+                                        trace_request_ctx=sent) as response:
                     await response.read()
                     status = response.status
                     for name in names:
@@ -164,11 +175,16 @@ async def run_load(
             bar.update()
         if not measured:
             return
-        _record(outcome, status, error, worker, finished - scheduled)
+        _record(outcome, status, error, worker, finished - scheduled, finished - sent.get("at", scheduled))
 
+    async def on_headers_sent(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
+        context.trace_request_ctx["at"] = loop.time()
+
+    tracing = aiohttp.TraceConfig()
+    tracing.on_request_headers_sent.append(on_headers_sent)
     started_wall = time.perf_counter()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                     skip_auto_headers=("User-Agent",)) as session:
+                                     skip_auto_headers=("User-Agent",), trace_configs=[tracing]) as session:
         t0 = loop.time()
         i, n = 0, len(send_at)
         try:
@@ -188,6 +204,7 @@ async def run_load(
                     task = loop.create_task(one(i, scheduled, session))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
+                    outcome.max_inflight = max(outcome.max_inflight, len(pending))
                     i += 1
             if pending:  # each has its own deadline; this bound only guards against a bug
                 await asyncio.wait(set(pending), timeout=timeout_s + 1.0)
@@ -201,6 +218,7 @@ async def run_load(
     outcome.wall_s = time.perf_counter() - started_wall
     outcome.client_cpu_s = time.process_time() - cpu0
     if lags.size:
+        outcome.send_lag_p50_s = float(np.percentile(lags, 50))
         outcome.send_lag_p99_s = float(np.percentile(lags, 99))
         outcome.send_lag_max_s = float(lags.max())
     return outcome
@@ -215,7 +233,8 @@ def run_load_blocking(*args: Any, **kwargs: Any) -> LoadOutcome:
     return uvloop.run(run_load(*args, **kwargs))
 
 
-def _record(outcome: LoadOutcome, status: int | None, error: str | None, worker: str, latency_s: float) -> None:
+def _record(outcome: LoadOutcome, status: int | None, error: str | None, worker: str, latency_s: float,
+            service_s: float) -> None:
     if error == "timeout":
         outcome.timeouts += 1
         return
@@ -230,6 +249,7 @@ def _record(outcome: LoadOutcome, status: int | None, error: str | None, worker:
     outcome.completed += 1
     outcome.spread[worker] += 1
     outcome.histogram.record(latency_s)
+    outcome.service.record(service_s)
     if latency_s <= outcome.slo_s:
         outcome.within_slo += 1
 

@@ -53,6 +53,10 @@ class ProcessGroup:
                 raise ComponentDied(f"{entry.spec.name} exited with {entry.process.returncode}; "
                                     f"see {entry.spec.log_path}")
 
+    def pid(self, name: str) -> int:
+        """The process id of the running component ``name`` (``KeyError`` if none runs by that name)."""
+        return self._supervisor.running[name].process.pid
+
     def pids(self, *, skip_group: str | None = None) -> list[int]:
         """Process ids of the running components, leaving out those of ``skip_group``."""
         return [entry.process.pid for entry in self._supervisor.running.values()

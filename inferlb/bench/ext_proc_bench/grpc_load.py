@@ -1,0 +1,152 @@
+"""Phase 3: ext_proc alone, driven by a gRPC client that plays Envoy's three messages per request.
+
+The server is pinned to one core and the client to the other, so decisions per
+server CPU-second is what one core sustains. The trivial servicer is measured
+the same way in the same run: the framework's floor to compare against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from ..processes import ProcessGroup
+from .cpu import CpuMeter, pinned
+from .stack import Log, Stack, decisions, trivial_servicer
+from .workload import PATH
+
+PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
+Messages = Sequence[tuple[bytes, bytes, bytes]]
+
+
+async def envoy_messages(client: httpx.AsyncClient, bodies: Sequence[bytes], worker_url: str,
+                         authority: str) -> tuple[list[tuple[bytes, bytes, bytes]], httpx.Response]:
+    """Per body, the three serialized ProcessingRequests Envoy sends: request headers, the buffered body,
+    and the response headers that a real (simulated) worker answered for that very body. Also the
+    worker's first answer (for the fake worker)."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    def header_map(pairs: Sequence[tuple[str, str]]) -> base_pb2.HeaderMap:
+        return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
+
+    out = []
+    answers = []
+    for i, body in enumerate(bodies):
+        answer = await client.post(worker_url + PATH, content=body, headers={"content-type": "application/json"})
+        answer.raise_for_status()
+        answers.append(answer)
+        request_headers = [(":authority", authority), (":path", PATH), (":method", "POST"), (":scheme", "http"),
+                           ("content-type", "application/json"), ("content-length", str(len(body))),
+                           ("user-agent", "bench_ext_proc"), ("x-forwarded-proto", "http"),
+                           ("x-request-id", f"00000000-0000-4000-8000-{i:012d}")]
+        response_headers = [(":status", str(answer.status_code))] + [
+            (k.lower(), v) for k, v in answer.headers.items() if k.lower() not in ("connection",)]
+        response_headers.append(("x-envoy-upstream-service-time", "1"))
+        out.append((
+            pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=header_map(request_headers)))
+            .SerializeToString(),
+            pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString(),
+            pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=header_map(response_headers)))
+            .SerializeToString(),
+        ))
+    return out, answers[0]
+
+
+def _pct(values: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+async def grpc_drive(target: str, messages: Messages, streams: int, seconds: float,
+                     body_only: bool = False) -> dict[str, Any]:
+    """``streams`` concurrent loops, each one ext_proc stream per request after the other, for ``seconds``."""
+    import grpc
+
+    counts: collections.Counter[str] = collections.Counter()
+    latencies: list[float] = []
+    async with grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 8 << 20)]) as channel:
+        process = channel.stream_stream(PROCESS_METHOD, request_serializer=None, response_deserializer=None)
+        await asyncio.wait_for(channel.channel_ready(), 10)
+        deadline = time.perf_counter() + seconds
+
+        async def one_loop(k: int) -> None:
+            i = k
+            perf = time.perf_counter
+            while perf() < deadline:
+                headers, body, response = messages[i % len(messages)]
+                i += streams
+                started = perf()
+                call = process()
+                try:
+                    if not body_only:
+                        await call.write(headers)
+                        await call.read()
+                    await call.write(body)
+                    await call.read()
+                    if not body_only:
+                        await call.write(response)
+                        await call.read()
+                    await call.done_writing()
+                    code = await call.code()
+                except grpc.aio.AioRpcError as exc:
+                    counts[f"error_{exc.code().name}"] += 1
+                    continue
+                if code != grpc.StatusCode.OK:
+                    counts[f"error_{code.name}"] += 1
+                    continue
+                latencies.append(perf() - started)
+                counts["ok"] += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one_loop(k) for k in range(streams)))
+        wall = time.perf_counter() - started
+    lat = np.array(latencies) * 1000
+    return {"streams_ok": counts.pop("ok", 0), "errors": dict(counts), "wall_s": wall,
+            "stream_p50_ms": _pct(lat, 50), "stream_p99_ms": _pct(lat, 99)}
+
+
+async def measure_direct(name: str, target: str, pid: int, client: httpx.AsyncClient, metrics_url: str | None,
+                         messages: Messages, streams: int, seconds: float, log: Log,
+                         body_only: bool = False) -> dict[str, Any]:
+    with pinned(pid) as how:
+        d0 = await decisions(client, metrics_url) if metrics_url else 0.0
+        meter = CpuMeter({"server": [pid], "client": [os.getpid()]})
+        figures = await grpc_drive(target, messages, streams, seconds, body_only)
+        cores = meter.stop()
+        made = (await decisions(client, metrics_url) - d0) if metrics_url else None
+    wall = figures["wall_s"]
+    per_s = (made if made is not None else figures["streams_ok"]) / wall
+    entry = {**figures, "pinning": how, "messages_per_stream": 1 if body_only else 3, "streams": streams,
+             "decisions": made, "per_s": per_s, "cores": cores,
+             "per_cpu_s": per_s / cores["server"] if cores["server"] > 0 else None}
+    what = "decisions" if made is not None else "streams"
+    log(f"[saturation/grpc] {name:<34}: {per_s:7.0f} {what}/s, server CPU {cores['server']:.2f} cores -> "
+        f"{entry['per_cpu_s'] or 0:7.0f} per CPU-second; client CPU {cores['client']:.2f}, others {cores['others']:.2f}; "
+        f"stream p50 {figures['stream_p50_ms'] or 0:.2f} ms; errors {figures['errors'] or 0}")
+    return entry
+
+
+async def direct_phase(args: Any, st: Stack, messages: Messages, log: Log) -> dict[str, Any]:
+    target = f"127.0.0.1:{st.ext_proc_port}"
+    out: dict[str, Any] = {}
+    await grpc_drive(target, messages, args.grpc_streams, 1.0)  # warm the client's code paths
+    out["ext_proc"] = await measure_direct("ext_proc, 3 messages/request", target, st.pid("ext_proc"), st.client,
+                                           st.ext_proc_metrics_url, messages, args.grpc_streams, args.grpc_seconds,
+                                           log)
+    if args.floor_seconds > 0:
+        async with ProcessGroup() as group:
+            component, port = trivial_servicer(st.log_dir)
+            await group.start([component])
+            trivial = f"127.0.0.1:{port}"
+            await grpc_drive(trivial, messages, args.grpc_streams, 1.0)
+            out["trivial"] = await measure_direct("trivial servicer, 3 messages", trivial, group.pid(component.name),
+                                                  st.client, None, messages, args.grpc_streams, args.floor_seconds,
+                                                  log)
+    return out

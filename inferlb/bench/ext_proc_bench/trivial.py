@@ -1,0 +1,72 @@
+"""The floor: a trivial grpcio aio ExternalProcessor that parses each message and answers a constant.
+
+``python -m inferlb.bench.ext_proc_bench.trivial PORT READY_PORT``: gRPC on
+127.0.0.1:PORT; once it listens, 127.0.0.1:READY_PORT answers any HTTP request
+with 200 (the ``ProcessGroup``'s readiness probe speaks HTTP, not gRPC). It
+runs on uvloop, ext_proc's default loop, so that the floor compares like with
+like. SIGTERM or SIGINT stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+READY_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+async def _answer_ready(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.write(READY_ANSWER)
+        await writer.drain()
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def serve(port: int, ready_port: int) -> None:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    answers = {
+        "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
+        "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
+        "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
+    }
+    fallback = answers["request_headers"]
+
+    class Trivial(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, request_iterator, context):  # type: ignore[no-untyped-def,override]
+            async for request in request_iterator:
+                yield answers.get(request.WhichOneof("request"), fallback)
+
+    server = grpc.aio.server()
+    pb_grpc.add_ExternalProcessorServicer_to_server(Trivial(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    ready = await asyncio.start_server(_answer_ready, "127.0.0.1", ready_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    ready.close()
+    await server.stop(1)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or not all(a.isdigit() for a in argv):
+        print("usage: python -m inferlb.bench.ext_proc_bench.trivial PORT READY_PORT", file=sys.stderr)
+        return 2
+    import uvloop
+
+    uvloop.run(serve(int(argv[0]), int(argv[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
