@@ -50,7 +50,7 @@ test: system-deps model  ## the import contracts, then the whole test suite
 bench: model  ## benchmarks (results go in docs/benchmarks.md)
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(BENCH_APT_PACKAGES)"
 	$(VENV)/bin/inferlb bench worker --json docs/bench_worker.json
-	$(PY) scripts/bench_xds.py --json docs/bench_xds.json
+	$(VENV)/bin/inferlb bench xds --json docs/bench_xds.json
 	$(VENV)/bin/inferlb bench ext-proc --json docs/bench_ext_proc.json
 	@$(MAKE) --no-print-directory bench-routing
 

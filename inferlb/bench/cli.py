@@ -14,6 +14,7 @@ import argparse
 
 from . import load_command, run_command, worker_bench
 from .ext_proc_bench import command as ext_proc_command
+from .xds_bench import command as xds_command
 
 
 def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -37,6 +38,11 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     worker_bench.add_arguments(worker)
     worker.set_defaults(func=worker_bench.main)
+    xds = commands.add_parser("xds", help="the control plane: a weight change to every xDS client's ACK",
+                              description=xds_command.DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    xds_command.add_arguments(xds)
+    xds.set_defaults(func=xds_command.main)
     ext_proc = commands.add_parser("ext-proc", help="ext_proc: added latency, decisions per CPU-second, its floor",
                                    description=ext_proc_command.DESCRIPTION,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -13,19 +13,7 @@ import asyncio
 import signal
 import sys
 
-READY_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-
-
-async def _answer_ready(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        writer.write(READY_ANSWER)
-        await writer.drain()
-    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
-        pass
-    finally:
-        writer.close()
-
+from ..ready import serve_ready
 
 async def serve(port: int, ready_port: int) -> None:
     import grpc
@@ -48,7 +36,7 @@ async def serve(port: int, ready_port: int) -> None:
     pb_grpc.add_ExternalProcessorServicer_to_server(Trivial(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    ready = await asyncio.start_server(_answer_ready, "127.0.0.1", ready_port)
+    ready = await serve_ready(ready_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
