@@ -71,7 +71,7 @@ def validate(config: Path) -> None:
 
 def _dict(message: object) -> dict:
     # Any fields resolve through the default descriptor pool, which importing the
-    # xds-protos modules (resources.py does) fills with every type we pack.
+    # xds-protos modules (control_plane.resources does) fills with every type we pack.
     return json_format.MessageToDict(message, preserving_proto_field_name=True)  # type: ignore[arg-type]
 
 

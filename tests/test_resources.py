@@ -30,6 +30,7 @@ from google.protobuf import json_format, struct_pb2
 from pydantic import ValidationError
 
 from control_plane import resources, type_urls
+from control_plane.resources import endpoints as eds
 from control_plane.config import ControlPlaneConfig
 from control_plane.model import (
     MAX_WEIGHT,
@@ -41,6 +42,7 @@ from control_plane.model import (
     PickPolicySpec,
     Telemetry,
 )
+from control_plane.resources.struct_wire import encode_struct
 from control_plane.resources import (
     build_ext_proc_cluster,
     build_listener,
@@ -486,16 +488,16 @@ def test_encoded_bytes_are_canonical_protobuf(ext_proc: bool) -> None:
 def test_struct_encoder_matches_protobuf(value: dict) -> None:
     expected = struct_pb2.Struct()
     expected.update(value)
-    assert resources._encode_struct(value) == expected.SerializeToString(deterministic=True)
+    assert encode_struct(value) == expected.SerializeToString(deterministic=True)
 
 
 def test_struct_encoder_sorts_keys_lexicographically() -> None:
     """Where one key is a prefix of another, upb puts the longer first; the encoder (like C++
     protobuf) puts the shorter first: the same Struct either way, and always the same bytes."""
     value = {str(i): i for i in range(50)} | {"a": 1, "ab": 2, "aaa": 3}
-    encoded = resources._encode_struct(value)
+    encoded = encode_struct(value)
     assert json_format.MessageToDict(struct_pb2.Struct.FromString(encoded)) == value
-    assert resources._encode_struct(dict(reversed(value.items()))) == encoded
+    assert encode_struct(dict(reversed(value.items()))) == encoded
     assert _struct_keys_in_wire_order(encoded) == sorted(value)
 
 
@@ -522,8 +524,8 @@ def test_caches_do_not_change_the_bytes() -> None:
     changed = replace(state, endpoints=tuple(endpoints))
     assert [encode_load_assignment(changed, ext_proc=x, memo=m) for x, m in zip((False, True), memos)] == \
         [encode_load_assignment(changed, ext_proc=x) for x in (False, True)]
-    for cached in (resources._lean_entry, resources._rich_entry, resources._rich_metadata, resources._base_entries,
-                   resources._telemetry_runs, resources._lb_address):
+    for cached in (eds._lean_entry, eds._rich_entry, eds._rich_metadata, eds._base_entries,
+                   eds._telemetry_runs, eds._lb_address):
         cached.cache_clear()
     assert [encode_load_assignment(state, ext_proc=x) for x in (False, True)] == warm
 
