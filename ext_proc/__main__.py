@@ -16,13 +16,14 @@ from pydantic import ValidationError
 
 from inferlb_runtime.http import EmbeddedServer
 from inferlb_runtime.logs import configure_json_logging
+from inferlb_runtime.pick_chain import PRESETS
 from inferlb_runtime.tls import PemFiles, load_pem_files
 
 from .config import ExtProcConfig, load_config
 from .metrics import ExtProcMetrics, LiveState, create_http_app
-from .policies import builtin_pick_policies
-from .policy_loading import make_pick_policy
-from .server import ExtProcServicer, HealthReporter, ServiceSettings, serve_grpc
+from .registry import PluginRegistry
+from .server import ExtProcServicer, ServiceSettings
+from .serving import HealthReporter, serve_grpc
 from .tokens import TokenCounter, packaged_tokenizer_path
 from .xds_client import PickPolicySpec, XdsClient, XdsClientSettings
 
@@ -98,7 +99,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    policies = ", ".join(f"{name} ({spec.summary})" for name, spec in builtin_pick_policies().items())
+    policies = ", ".join(f"{p.name} ({p.summary})" for p in PRESETS.values())
     p = argparse.ArgumentParser(
         prog="python -m ext_proc",
         description=(
@@ -108,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
             "(EDS) from the control plane. Settings: --config FILE ([ext_proc] table), then "
             "INFERLB_EXT_PROC_<NAME> environment variables, then these flags."
         ),
-        epilog=f"Pick policies: {policies}. The control plane's EDS may switch it at run time.",
+        epilog=f"Pick policies: {policies}. Each is a chain of admit, filter, scorer and picker plugins; its "
+               "'admit', 'filters' and 'scorers' params add plugins (README: Write your own policy). The control "
+               "plane's EDS may switch it at run time.",
     )
     p.add_argument("--config", type=Path, help="TOML file with an [ext_proc] table")
     p.add_argument("--port", type=int, help="ExternalProcessor + grpc.health.v1 port (default 9002)")
@@ -135,8 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {k: v for k, v in vars(args).items() if k != "config"}
     try:
         config = load_config(args.config, overrides)
-        make_pick_policy(config.pick_policy, config.pick_params,
-                         config.policy_allowlist)  # refuse a bad policy up front
+        PluginRegistry(config.policy_allowlist).build(config.pick_policy,
+                                                      config.pick_params)  # refuse a bad policy up front
         packaged_tokenizer_path()  # and a missing model package (tokens are counted with its tokenizer)
         tls = xds_tls(config)  # and unusable TLS files (TlsConfigError is a ValueError)
     except (ValidationError, ValueError, OSError) as exc:

@@ -125,7 +125,10 @@ _HOT_COUNTERS = {
     "released": (f"{PREFIX}released",
                  "Outstanding entries released: at the response, early (the stream was cancelled or closed "
                  "first: client gone, upstream reset) or on an error.", "how", ("response", "early", "error")),
+    "admit_replies": (f"{PREFIX}admit_replies", "Requests an admit plugin answered itself (shed, served from a "
+                      "cache), by the reply's code.", "code", ()),
 }
+MAX_LABELS = 32  # distinct values per hot counter; later ones count as "other" (a plugin names admit codes)
 _DECISION_HELP = ("From the message that completes a request (body or headers) to the answer: token counting, "
                   "prediction and picking.")
 
@@ -179,10 +182,10 @@ class ExtProcMetrics:
         self.xds_connects = Counter(f"{PREFIX}xds_connects", "ADS streams established.", registry=r)
         self.policy_switches = Counter(f"{PREFIX}policy_switches", "Pick-policy changes, by result.",
                                        ["result"], registry=r)
-        # User pick policies report contained failures here (through the Picker's failure_observer).
+        # User plugins of the pick chain report contained failures here (through the registry's observer).
         self.policy_failures = Counter(f"{PREFIX}policy_failures",
-                                       "User pick-policy decisions contained (the default policy decided, or "
-                                       "over the time budget), by policy and reason.", ["policy", "reason"],
+                                       "User pick-chain plugin calls contained (the chain went on without it, or "
+                                       "it was over its time budget), by plugin and reason.", ["policy", "reason"],
                                        registry=r)
 
     def decision(self, policy: str, endpoint: str, seconds: float) -> None:
@@ -199,8 +202,11 @@ class ExtProcMetrics:
             del self.decision_counts[key]
 
     def count(self, counter: str, label: str) -> None:
-        """``counter``: "fallbacks", "parse_failures", "responses" or "released"; ``label``: its one label's value."""
+        """``counter``: "fallbacks", "parse_failures", "responses", "released" or "admit_replies"; ``label``: its
+        one label's value."""
         counts = self.counts[counter]
+        if label not in counts and len(counts) >= MAX_LABELS:
+            label = "other"
         counts[label] = counts.get(label, 0) + 1
 
     # XdsObserver

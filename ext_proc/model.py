@@ -1,18 +1,24 @@
-"""ext_proc's domain values: what it knows of each endpoint, what a request
-looks like to a pick policy, and what a pick policy returns.
+"""ext_proc's domain values and the protocols of its pick chain's plugins.
 
-All frozen: a policy gets a consistent picture and cannot change it, and a
-policy can be unit-tested with no servers at all.
+A request is decided by a chain (``chain.py``; its configuration is
+``inferlb_runtime/pick_chain.py``)::
+
+    admit -> filters -> sample -> cost -> scorers -> picker
+
+The values are frozen: a plugin gets a consistent picture and cannot change
+it, and a plugin can be unit-tested with no servers at all. The names match
+the control plane's: an :class:`EndpointView` is one endpoint, a
+``FleetView`` (``xds_client.py``) the whole fleet at one moment.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from typing import Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 
 @dataclass(frozen=True)
-class EndpointInfo:
+class EndpointView:
     """One endpoint of the ``workers`` cluster as the control plane's EDS describes it.
 
     ``telemetry`` holds the figures the control plane attaches as metadata
@@ -35,7 +41,7 @@ class EndpointInfo:
 
 @dataclass(frozen=True)
 class RequestView:
-    """What a policy may know of a request."""
+    """What a plugin may know of a request."""
 
     tokens: int  # counted with the model's tokenizer, or estimated from bytes
     estimated: bool  # True when ``tokens`` is a byte-based estimate
@@ -46,9 +52,9 @@ class RequestView:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A routable endpoint with ext_proc's predictions for this request."""
+    """An endpoint that passed the filters and the sample, with ext_proc's predictions for this request."""
 
-    endpoint: EndpointInfo
+    endpoint: EndpointView
     predicted_cost_s: float  # this request's predicted service time on the endpoint
     outstanding_s: float  # predicted work already there: our in-flight + the worker's reported queue
     outstanding_requests: int  # requests this ext_proc has in flight there
@@ -63,14 +69,76 @@ class Candidate:
         return self.outstanding_s + self.predicted_cost_s
 
 
-class PickPolicy(Protocol):
-    """Ranks candidates for one request; the first is the pick, the next one or two are retry fallbacks.
+@dataclass(frozen=True)
+class Reply:
+    """An answer an admit plugin gives instead of routing: sent to the client as it is, in OpenAI's error
+    shape (``{"error": {"message", "type", "param", "code"}}``)."""
 
-    Implementations must be fast (called per request), must only return ids
-    of the candidates given, and must not block. They may keep internal state
-    (a round-robin cursor, a random generator).
-    """
+    status: int  # 429 to shed, 503 when nothing can serve, ...
+    code: str  # machine-readable: "overloaded", ...
+    message: str  # what happened and what to do, for a person
+    type: str = "server_error"
+    retry_after_s: int | None = None  # a Retry-After header, when retrying later is the advice
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A pick: ``ranked[0]`` is the primary, the rest retry fallbacks."""
+
+    ranked: tuple[str, ...]
+    predicted_s: float  # this request's predicted service seconds on the primary
+    policy: str
+    completion_s: float = 0.0  # predicted completion on the primary: its outstanding work + predicted_s
+    evaluated: int = 0  # candidates costed for this decision
+
+    @property
+    def primary(self) -> str:
+        return self.ranked[0]
+
+
+# --- the plugins --------------------------------------------------------------------------------------
+# A user plugin is a class with a ``name``, ``kind`` (for the inferlb.policies entry-point group) and the
+# step's method; optionally a ``Params`` dataclass it is constructed with. Plugins are called on the event
+# loop once per request: they must be fast and never block.
+
+
+class Admit(Protocol):
+    """Answers a request itself (shed it, serve it from a cache) or lets it through (None)."""
 
     name: str
 
-    def rank(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[str]: ...
+    def admit(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Reply | None: ...
+
+
+class Filter(Protocol):
+    """Narrows the candidates: returns some of ``endpoints`` (the same sequence object when it keeps all:
+    the stages after it cache per sequence object)."""
+
+    name: str
+
+    def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]: ...
+
+
+class Scorer(Protocol):
+    """Scores each candidate in [0, 1], higher is better, in the candidates' order. The chain sums the
+    scorers' scores times their weights."""
+
+    name: str
+
+    def score(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[float]: ...
+
+
+@runtime_checkable
+class Favouring(Protocol):
+    """Optional for a scorer: endpoints the sample must keep (a sticky session's own worker), so that
+    sampling d random candidates cannot leave out the one it would score highest."""
+
+    def favourites(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Iterable[EndpointView]: ...
+
+
+class Picker(Protocol):
+    """Chooses the primary and the retry fallbacks (built in: ``max_score``, ``in_order``)."""
+
+    name: str
+
+    def pick(self, request: RequestView, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[str]: ...

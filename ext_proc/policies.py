@@ -1,41 +1,35 @@
-"""The built-in pick policies and their registry.
+"""The built-in plugins of the pick chain; the named policies are configurations of them
+(``inferlb_runtime/pick_chain.py``: ``least_completion_time`` is ``sample(d=4)`` then the
+``completion_time`` scorer then the ``max_score`` picker).
 
-Each policy implements ``PickPolicy.rank`` (ext_proc/model.py). Policies that
-need not look at the whole fleet also implement the optional
-:class:`EndpointSampler` extension: ``sample`` chooses, before any cost is
-predicted, which endpoints become candidates, so that a decision on a fleet
-of 10,000 stays O(d). The picker calls it when present.
+``completion_time`` (the default's scorer) judges a candidate by::
 
-``least_completion_time`` (the default) scores a candidate by::
-
-    score = (outstanding_s + predicted_cost_s) / weight ** weight_exponent
+    completion = (outstanding_s + predicted_cost_s) / weight ** weight_exponent
 
 i.e. predicted completion time (the work already queued there plus this
-request's own cost). By default (``weight_exponent: 0``) the weight is not in
-the score: the cost model already learns each endpoint's speed from its own
-timings, and the capacity weights grow roughly with speed squared, so
-dividing by them (and sampling by them) counted speed two or three times and
-starved slow workers of work they could do (simulated, 8 workers at 80%:
-p99 342 -> 217 ms, goodput 151 -> 162/s). ``weight_exponent: 1`` reads an
-endpoint of weight 200 as draining work twice as fast as one of weight 100,
-which lets operator pins and the control plane's CPU view steer ext_proc's
-picks too. The lowest score wins, exact ties at random.
+request's own cost), and scores it ``best / completion`` (1 for the best).
+By default (``weight_exponent: 0``) the weight is not in the score: the cost
+model already learns each endpoint's speed from its own timings, and the
+capacity weights grow roughly with speed squared, so dividing by them (and
+sampling by them) counted speed two or three times and starved slow workers
+of work they could do (simulated, 8 workers at 80%: p99 342 -> 217 ms,
+goodput 151 -> 162/s). ``weight_exponent: 1`` reads an endpoint of weight
+200 as draining work twice as fast as one of weight 100, which lets operator
+pins and the control plane's CPU view steer ext_proc's picks too.
 
-Power-of-d: with more than ``d`` routable endpoints, ``d`` distinct ones are
-sampled (uniformly by default; ``sample_weighted: true`` samples
-proportionally to weight) and only they are scored. d defaults to 4, not 2:
-the outstanding work ext_proc knows of its own requests is exact and fresh,
-so more choices keep improving the pick while each costs ~2 µs; with several
-ext_procs and stale reports of each other's work, random sampling still keeps
-them from herding onto one endpoint that only looks idle (simulated, 1,000
-workers, 10 replicas, before the picker partitioned large fleets among
-replicas: d = 2 p99 761 ms, d = 3 483, d = 4 417, d = 8 353). The picker now
-hands each replica only its own partition of a large fleet, so the sampled
-candidates carry (nearly) no foreign work to misjudge.
+Power-of-d (``sample``): with more than ``d`` candidates left by the
+filters, ``d`` distinct ones are sampled (uniformly by default; ``weighted``
+samples proportionally to weight) and only they are costed and scored. d
+defaults to 4, not 2: the outstanding work ext_proc knows of its own requests
+is exact and fresh, so more choices keep improving the pick while each costs
+~2 µs; with several ext_procs and stale reports of each other's work, random
+sampling still keeps them from herding onto one endpoint that only looks
+idle (simulated, 1,000 workers, 10 replicas, before large fleets were
+partitioned among replicas: d = 2 p99 761 ms, d = 3 483, d = 4 417, d = 8
+353). The sample keeps the favourites of scorers that have them (a sticky
+session's worker).
 
-User policies (an ``inferlb.policies`` entry point or a ``module:attribute``
-spec) are loaded and contained by ``policy_loading.py``; ``make_pick_policy``
-hands it any name that is not built in.
+``Routable`` and ``Partition`` head every chain; see their docstrings.
 """
 
 from __future__ import annotations
@@ -43,137 +37,138 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+
+from inferlb_runtime.pick_chain import CompletionTimeParams, InOrderParams, MaxScoreParams, RotateParams, SampleParams
+
+from .model import Candidate, EndpointView, RequestView
+
+MIN_PARTITION = 32  # endpoints per replica below which every replica samples the whole fleet
 
 
-from .model import Candidate, EndpointInfo, PickPolicy, RequestView
+# --- the head of every chain ---------------------------------------------------------------------------
 
 
-@runtime_checkable
-class EndpointSampler(Protocol):
-    """Optional extension of :class:`PickPolicy`: pick which endpoints become candidates (O(d))."""
+class Routable:
+    """Only endpoints that are healthy and not draining: Envoy's override_host honours a pick even of a
+    draining or unhealthy host, so nothing else may ever be a candidate. Cached per sequence object (the
+    xDS view hands the same tuple until EDS changes), so a decision does not re-scan a large fleet."""
 
-    def sample(self, request: RequestView, endpoints: Sequence[EndpointInfo]) -> Sequence[EndpointInfo]: ...
+    name = "routable"
 
+    def __init__(self) -> None:
+        self._seen: Sequence[EndpointView] | None = None
+        self._kept: Sequence[EndpointView] = ()
 
-# --- parameters -----------------------------------------------------------------------------------
-
-
-def _coerce(policy: str, name: str, kind: str, value: Any) -> Any:
-    """One parameter from JSON-ish input (EDS Struct numbers arrive as floats: 4.0 is an int)."""
-    if kind == "seed":
-        if value is None:
-            return None
-        kind = "int"
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-            raise ValueError(f"{policy}: param {name!r} must be an integer, got {value!r}")
-        return int(value)
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{policy}: param {name!r} must be a number, got {value!r}")
-        return float(value)
-    if kind == "bool":
-        if not isinstance(value, bool):
-            raise ValueError(f"{policy}: param {name!r} must be true or false, got {value!r}")
-        return value
-    raise AssertionError(kind)
+    def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        if endpoints is not self._seen:
+            self._seen = endpoints
+            self._kept = tuple(e for e in endpoints if e.routable)
+        return self._kept
 
 
-class _Params:
-    """Mixin: build a frozen params dataclass from a mapping, rejecting unknown keys and bad types."""
+class Partition:
+    """This replica's share of a large fleet (deterministic subsetting).
 
-    KINDS: ClassVar[Mapping[str, str]] = {}
-    POLICY: ClassVar[str] = ""
-
-    @classmethod
-    def from_mapping(cls, params: Mapping[str, Any] | None) -> Any:
-        params = params or {}
-        known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"{cls.POLICY}: unknown param(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(sorted(known))}")
-        values = {k: _coerce(cls.POLICY, k, cls.KINDS[k], v) for k, v in params.items()}
-        return cls(**values)
-
-
-def _check(policy: str, ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{policy}: {message}")
-
-
-@dataclass(frozen=True)
-class LeastCompletionTimeParams(_Params):
-    d: int = 4  # candidates scored per decision when the fleet is larger
-    weight_exponent: float = 0.0  # 0: the cost model alone judges speed; 1: weights as relative capacity
-    sample_weighted: bool = False  # sample the d candidates proportionally to weight (else uniformly)
-    fallbacks: int = 2
-    seed: int | None = None
-    KINDS: ClassVar[Mapping[str, str]] = {"d": "int", "weight_exponent": "float", "sample_weighted": "bool",
-                                          "fallbacks": "int", "seed": "seed"}
-    POLICY: ClassVar[str] = "least_completion_time"
-
-    def __post_init__(self) -> None:
-        _check(self.POLICY, self.d >= 1, f"param 'd' must be >= 1, got {self.d}")
-        _check(self.POLICY, 0.0 <= self.weight_exponent <= 4.0,
-               f"param 'weight_exponent' must be in [0, 4], got {self.weight_exponent}")
-        _check(self.POLICY, 0 <= self.fallbacks <= 2, f"param 'fallbacks' must be 0, 1 or 2, got {self.fallbacks}")
-
-
-@dataclass(frozen=True)
-class RoundRobinParams(_Params):
-    fallbacks: int = 2
-    KINDS: ClassVar[Mapping[str, str]] = {"fallbacks": "int"}
-    POLICY: ClassVar[str] = "round_robin"
-
-    def __post_init__(self) -> None:
-        _check(self.POLICY, 0 <= self.fallbacks <= 2, f"param 'fallbacks' must be 0, 1 or 2, got {self.fallbacks}")
-
-
-@dataclass(frozen=True)
-class LeastOutstandingParams(_Params):
-    d: int = 0  # 0: look at every endpoint (exact, O(n)); > 0: sample d
-    fallbacks: int = 2
-    seed: int | None = None
-    KINDS: ClassVar[Mapping[str, str]] = {"d": "int", "fallbacks": "int", "seed": "seed"}
-    POLICY: ClassVar[str] = "least_outstanding"
-
-    def __post_init__(self) -> None:
-        _check(self.POLICY, self.d >= 0, f"param 'd' must be >= 0, got {self.d}")
-        _check(self.POLICY, 0 <= self.fallbacks <= 2, f"param 'fallbacks' must be 0, 1 or 2, got {self.fallbacks}")
-
-
-@dataclass(frozen=True)
-class P2CTokensParams(_Params):
-    sample_weighted: bool = True
-    seed: int | None = None
-    KINDS: ClassVar[Mapping[str, str]] = {"sample_weighted": "bool", "seed": "seed"}
-    POLICY: ClassVar[str] = "p2c_tokens"
-
-
-# --- sampling -------------------------------------------------------------------------------------
-
-
-class _Sampler:
-    """d distinct endpoints, uniformly or proportionally to weight, in O(d log n).
-
-    The cumulative weights are rebuilt only when a different sequence object
-    comes in (the picker passes the same tuple until EDS changes).
+    With several ext_proc replicas and at least ``MIN_PARTITION`` endpoints
+    each, replica i of R considers only the endpoints at positions i, i+R, ...
+    of the id-sorted fleet (i and R come from the control plane's list of
+    connected replicas in EDS: ``set_partition``). Each replica then sees
+    nearly all the work on its endpoints, its own, exactly and at once, where
+    it used to see a tenth plus a stale snapshot and herd with the others
+    (simulated, 1,000 workers x 10 replicas at 80%: p99 432 -> 195 ms). An
+    empty partition (none routable) falls back to all; one replica never
+    partitions. It reads the whole fleet's size, so it is given it with
+    :meth:`set_fleet` (cached per fleet and input sequence).
     """
 
-    def __init__(self, rng: random.Random) -> None:
+    name = "partition"
+
+    def __init__(self) -> None:
+        self.partition: tuple[int, int] = (0, 1)  # (our index, replicas)
+        self.partitioned = False  # whether the current candidates are narrowed to our partition
+        self._fleet: Sequence[EndpointView] = ()
+        self._seen: Sequence[EndpointView] | None = None
+        self._kept: Sequence[EndpointView] = ()
+
+    def set_partition(self, index: int, count: int) -> None:
+        if count < 1 or not 0 <= index < count:
+            raise ValueError(f"partition index {index} of {count}: need 0 <= index < count")
+        if (index, count) != self.partition:
+            self.partition = (index, count)
+            self._seen = None
+
+    def set_fleet(self, fleet: Sequence[EndpointView]) -> None:
+        """The whole fleet (routable or not): the partition is of the id-sorted fleet."""
+        if fleet is not self._fleet:
+            self._fleet = fleet
+            self._seen = None
+
+    def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        if endpoints is not self._seen:
+            self._seen = endpoints
+            self._kept = self._subset(endpoints)
+        return self._kept
+
+    def _subset(self, routable: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        index, count = self.partition
+        fleet = self._fleet
+        self.partitioned = False
+        if count > 1 and len(fleet) >= MIN_PARTITION * count:
+            ours = set(sorted(e.id for e in fleet)[index::count])
+            mine = tuple(e for e in routable if e.id in ours)
+            if mine:
+                self.partitioned = True
+                return mine
+        return routable
+
+
+# --- filters ------------------------------------------------------------------------------------------
+
+
+class Rotate:
+    """Round robin: the next ``width`` endpoints in EDS order, starting one further each time."""
+
+    name = "rotate"
+    kind = "filter"
+    Params = RotateParams
+
+    def __init__(self, params: RotateParams = RotateParams()) -> None:
+        self.params = params
+        self._cursor = 0
+
+    def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        n = len(endpoints)
+        if not n:
+            return endpoints
+        start = self._cursor % n
+        self._cursor = start + 1
+        return [endpoints[(start + i) % n] for i in range(min(n, self.params.width))]
+
+
+# --- sampling -----------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """d distinct endpoints, uniformly or proportionally to weight, in O(d log n), plus the favourites.
+
+    The cumulative weights are rebuilt only when a different sequence object
+    comes in (the filters pass the same tuple until EDS changes).
+    """
+
+    def __init__(self, params: SampleParams, rng: random.Random) -> None:
+        self.params = params
         self._rng = rng
-        self._seq: Sequence[EndpointInfo] | None = None
+        self._seq: Sequence[EndpointView] | None = None
         self._cum: list[float] = []
         self._total = 0.0
 
-    def sample(self, endpoints: Sequence[EndpointInfo], d: int, weighted: bool) -> Sequence[EndpointInfo]:
+    def sample(self, endpoints: Sequence[EndpointView], keep: Iterable[EndpointView] = ()) -> Sequence[EndpointView]:
+        d = self.params.d
         n = len(endpoints)
-        if n <= d:
+        if d == 0 or n <= d:
             return endpoints
+        weighted = self.params.weighted
         if weighted and endpoints is not self._seq:
             self._seq = endpoints
             acc = 0.0
@@ -196,142 +191,101 @@ class _Sampler:
                 chosen.append(i)
                 if len(chosen) == d:
                     break
-        return [endpoints[i] for i in chosen]
+        pool = [endpoints[i] for i in chosen]
+        if keep:
+            ids = {e.id for e in pool}
+            for e in keep:
+                if e.id not in ids:
+                    ids.add(e.id)
+                    pool.append(e)
+        return pool
 
 
-# --- policies -------------------------------------------------------------------------------------
+# --- scorers ------------------------------------------------------------------------------------------
 
 
-class LeastCompletionTime:
-    """Least predicted completion time: (outstanding + this request's cost) / weight^exponent."""
+class CompletionTime:
+    """Least predicted completion time (outstanding work + this request's cost) scores 1, the others
+    ``best / theirs``; over ``weight ** weight_exponent`` when the exponent is set."""
 
-    name = "least_completion_time"
+    name = "completion_time"
+    kind = "scorer"
+    Params = CompletionTimeParams
 
-    def __init__(self, params: LeastCompletionTimeParams | None = None) -> None:
-        self.params = params or LeastCompletionTimeParams()
-        self._rng = random.Random(self.params.seed)
-        self._sampler = _Sampler(self._rng)
+    def __init__(self, params: CompletionTimeParams = CompletionTimeParams()) -> None:
+        self.params = params
 
-    def sample(self, request: RequestView, endpoints: Sequence[EndpointInfo]) -> Sequence[EndpointInfo]:
-        return self._sampler.sample(endpoints, self.params.d, self.params.sample_weighted)
-
-    def rank(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[str]:
+    def score(self, request: RequestView, candidates: Sequence[Candidate]) -> list[float]:
         exponent = self.params.weight_exponent
+        if exponent:
+            times = [(c.outstanding_s + c.predicted_cost_s) / c.endpoint.weight ** exponent if c.endpoint.weight > 0
+                     else math.inf for c in candidates]
+        else:
+            times = [c.outstanding_s + c.predicted_cost_s for c in candidates]
+        return relative(times)
+
+
+class OutstandingRequests:
+    """Fewest requests this ext_proc has in flight there scores 1."""
+
+    name = "outstanding_requests"
+    kind = "scorer"
+
+    def score(self, request: RequestView, candidates: Sequence[Candidate]) -> list[float]:
+        return relative([c.outstanding_requests + 1.0 for c in candidates])
+
+
+class OutstandingTokens:
+    """Fewest tokens this ext_proc has in flight there scores 1."""
+
+    name = "outstanding_tokens"
+    kind = "scorer"
+
+    def score(self, request: RequestView, candidates: Sequence[Candidate]) -> list[float]:
+        return relative([c.outstanding_tokens + 1.0 for c in candidates])
+
+
+def relative(costs: Sequence[float]) -> list[float]:
+    """Costs (lower is better, >= 0) as scores in [0, 1]: the least scores 1, the others least / theirs."""
+    best = min(costs)
+    if best == math.inf:
+        return [0.0] * len(costs)
+    if best <= 0.0:
+        return [1.0 if c <= 0.0 else 0.0 for c in costs]
+    return [best / c for c in costs]
+
+
+# --- pickers ------------------------------------------------------------------------------------------
+
+
+class MaxScore:
+    """The highest total score first, exact ties at random; then up to ``fallbacks`` more."""
+
+    name = "max_score"
+    Params = MaxScoreParams
+
+    def __init__(self, params: MaxScoreParams = MaxScoreParams()) -> None:
+        self.params = params
+        self._rng = random.Random(params.seed)
+
+    def pick(self, request: RequestView, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[str]:
         rnd = self._rng.random
-        scored = []
-        for c in candidates:
-            completion = c.outstanding_s + c.predicted_cost_s
-            w = c.endpoint.weight
-            if exponent:
-                score = completion / (w**exponent) if w > 0 else math.inf
-            else:
-                score = completion
-            scored.append((score, rnd(), c.endpoint.id))
-        scored.sort()
-        return [s[2] for s in scored[: 1 + self.params.fallbacks]]
+        ranked = sorted([(-s, rnd(), c.endpoint.id) for c, s in zip(candidates, scores)])
+        return [r[2] for r in ranked[: 1 + self.params.fallbacks]]
 
 
-class RoundRobin:
-    """Each routable endpoint in turn (in EDS order); fallbacks are the next ones."""
+class InOrder:
+    """The candidates as the filters left them (round robin's rotation), then up to ``fallbacks`` more."""
 
-    name = "round_robin"
+    name = "in_order"
+    Params = InOrderParams
 
-    def __init__(self, params: RoundRobinParams | None = None) -> None:
-        self.params = params or RoundRobinParams()
-        self._cursor = 0
-        self._window: tuple[str, ...] = ()
+    def __init__(self, params: InOrderParams = InOrderParams()) -> None:
+        self.params = params
 
-    def sample(self, request: RequestView, endpoints: Sequence[EndpointInfo]) -> Sequence[EndpointInfo]:
-        n = len(endpoints)
-        if not n:
-            return endpoints
-        start = self._cursor % n
-        self._cursor = start + 1
-        window = [endpoints[(start + i) % n] for i in range(min(n, 1 + self.params.fallbacks))]
-        self._window = tuple(e.id for e in window)
-        return window
-
-    def rank(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[str]:
-        ids = tuple(c.endpoint.id for c in candidates)
-        if ids == self._window:  # the picker already rotated in sample()
-            self._window = ()
-            return ids
-        n = len(ids)
-        if not n:
-            return ()
-        start = self._cursor % n
-        self._cursor = start + 1
-        return [ids[(start + i) % n] for i in range(min(n, 1 + self.params.fallbacks))]
+    def pick(self, request: RequestView, candidates: Sequence[Candidate], scores: Sequence[float]) -> list[str]:
+        return [c.endpoint.id for c in candidates[: 1 + self.params.fallbacks]]
 
 
-class LeastOutstanding:
-    """Fewest requests this ext_proc has in flight there; ties at random."""
-
-    name = "least_outstanding"
-
-    def __init__(self, params: LeastOutstandingParams | None = None) -> None:
-        self.params = params or LeastOutstandingParams()
-        self._rng = random.Random(self.params.seed)
-        self._sampler = _Sampler(self._rng)
-
-    def sample(self, request: RequestView, endpoints: Sequence[EndpointInfo]) -> Sequence[EndpointInfo]:
-        if self.params.d <= 0:
-            return endpoints
-        return self._sampler.sample(endpoints, self.params.d, weighted=False)
-
-    def rank(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[str]:
-        rnd = self._rng.random
-        scored = sorted((c.outstanding_requests, rnd(), c.endpoint.id) for c in candidates)
-        return [s[2] for s in scored[: 1 + self.params.fallbacks]]
-
-
-class P2CTokens:
-    """Power of two choices on the tokens this ext_proc has in flight; the loser is the fallback."""
-
-    name = "p2c_tokens"
-
-    def __init__(self, params: P2CTokensParams | None = None) -> None:
-        self.params = params or P2CTokensParams()
-        self._rng = random.Random(self.params.seed)
-        self._sampler = _Sampler(self._rng)
-
-    def sample(self, request: RequestView, endpoints: Sequence[EndpointInfo]) -> Sequence[EndpointInfo]:
-        return self._sampler.sample(endpoints, 2, self.params.sample_weighted)
-
-    def rank(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[str]:
-        pool = candidates if len(candidates) <= 2 else self._rng.sample(list(candidates), 2)
-        rnd = self._rng.random
-        scored = sorted((c.outstanding_tokens, rnd(), c.endpoint.id) for c in pool)
-        return [s[2] for s in scored]
-
-
-# --- registry -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PolicySpec:
-    """A built-in policy: its params class (defaults, validation) and how to build it."""
-
-    name: str
-    params: type[_Params]
-    build: Callable[[Any], PickPolicy]
-    summary: str
-
-    def create(self, params: Mapping[str, Any] | None = None) -> PickPolicy:
-        return self.build(self.params.from_mapping(params))
-
-
-def builtin_pick_policies() -> Mapping[str, PolicySpec]:
-    """Every built-in policy by name (a fresh mapping: callers may not mutate shared state)."""
-    specs = (
-        PolicySpec("least_completion_time", LeastCompletionTimeParams, LeastCompletionTime,
-                   "least predicted completion time (outstanding work + this request's cost), power-of-d"),
-        PolicySpec("round_robin", RoundRobinParams, RoundRobin, "each routable endpoint in turn"),
-        PolicySpec("least_outstanding", LeastOutstandingParams, LeastOutstanding,
-                   "fewest requests in flight from this ext_proc"),
-        PolicySpec("p2c_tokens", P2CTokensParams, P2CTokens, "power of two choices on outstanding tokens"),
-    )
-    return {s.name: s for s in specs}
-
-
-DEFAULT_PICK_POLICY = "least_completion_time"
+BUILTIN_CLASSES: dict[str, type] = {cls.name: cls for cls in (  # type: ignore[attr-defined]
+    Rotate, CompletionTime, OutstandingRequests, OutstandingTokens, MaxScore, InOrder)}

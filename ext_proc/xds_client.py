@@ -6,9 +6,9 @@ node cluster (``inferlb-ext-proc``) a rich variant of it: per endpoint,
 ``filter_metadata["inferlb"]`` with ``draining``, ``health`` and the scraped
 telemetry; on the locality, ``{"pick_policy": {"name", "params"}}`` and
 ``ext_proc_replicas`` (the connected replicas' node ids, sorted): our index
-among them is ``EndpointView.partition``.
+among them is ``FleetView.partition``.
 
-What the per-request path reads is one immutable :class:`EndpointView`,
+What the per-request path reads is one immutable :class:`FleetView`,
 replaced as a whole on each accepted update (an attribute swap is atomic on
 the event loop): a decision never sees half an update. While the control
 plane is unreachable the last view stays in force; ext_proc keeps routing.
@@ -51,7 +51,7 @@ from inferlb_runtime.backoff import Backoff
 from inferlb_runtime.tls import PemFiles
 from inferlb_runtime.xds_node import METRICS_PORT_KEY
 
-from .model import EndpointInfo
+from .model import EndpointView
 
 log = logging.getLogger("inferlb.ext_proc.xds")
 
@@ -85,7 +85,7 @@ class PickPolicySpec:
 
 
 @dataclass(frozen=True)
-class EndpointView:
+class FleetView:
     """Everything ext_proc knows of the fleet at one moment. Never mutated: replaced.
 
     ``routable`` (healthy and not draining, in EDS order) and ``pick_values``
@@ -94,12 +94,12 @@ class EndpointView:
     """
 
     version: str
-    endpoints: tuple[EndpointInfo, ...]
+    endpoints: tuple[EndpointView, ...]
     pick_policy: PickPolicySpec | None = None
     received_at: float = 0.0  # time.monotonic()
     partition: tuple[int, int] = (0, 1)  # (our index, replicas) in the control plane's ext_proc_replicas
-    routable: tuple[EndpointInfo, ...] = field(init=False)
-    by_id: Mapping[str, EndpointInfo] = field(init=False)
+    routable: tuple[EndpointView, ...] = field(init=False)
+    by_id: Mapping[str, EndpointView] = field(init=False)
     pick_values: Mapping[str, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,26 +108,26 @@ class EndpointView:
         object.__setattr__(self, "pick_values", MappingProxyType({e.id: pick_value(e) for e in self.endpoints}))
 
 
-def pick_value(endpoint: EndpointInfo) -> str:
+def pick_value(endpoint: EndpointView) -> str:
     """``ip:port`` as Envoy's override_host parses it (IPv6 in brackets)."""
     if ":" in endpoint.address:
         return f"[{endpoint.address}]:{endpoint.port}"
     return f"{endpoint.address}:{endpoint.port}"
 
 
-def _shape(view: EndpointView) -> tuple[object, ...]:
+def _shape(view: FleetView) -> tuple[object, ...]:
     """What makes an update worth an INFO line: who is there, who is routable, which policy."""
     return tuple(e.id for e in view.endpoints), tuple(e.id for e in view.routable), view.pick_policy
 
 
-ViewListener = Callable[[EndpointView], None]
+ViewListener = Callable[[FleetView], None]
 
 
 class ViewSource(Protocol):
     """Where the server gets its view: the xDS client in production, a static one in tests."""
 
     @property
-    def view(self) -> EndpointView | None: ...
+    def view(self) -> FleetView | None: ...
 
     def add_listener(self, listener: ViewListener) -> None: ...
 
@@ -145,7 +145,7 @@ class _Listeners:
     def add(self, listener: ViewListener) -> None:
         self._listeners.append(listener)
 
-    def fire(self, view: EndpointView) -> None:
+    def fire(self, view: FleetView) -> None:
         self._first.set()
         for listener in self._listeners:
             try:
@@ -160,14 +160,14 @@ class _Listeners:
 class StaticViewSource:
     """A view set by hand: for tests, and for running without a control plane."""
 
-    def __init__(self, view: EndpointView | None = None) -> None:
-        self._view: EndpointView | None = None
+    def __init__(self, view: FleetView | None = None) -> None:
+        self._view: FleetView | None = None
         self._listeners = _Listeners()
         if view is not None:
             self.set(view)
 
     @property
-    def view(self) -> EndpointView | None:
+    def view(self) -> FleetView | None:
         return self._view
 
     @property
@@ -177,19 +177,19 @@ class StaticViewSource:
     def add_listener(self, listener: ViewListener) -> None:
         self._listeners.add(listener)
 
-    def set(self, view: EndpointView) -> None:
+    def set(self, view: FleetView) -> None:
         self._view = view
         self._listeners.fire(view)
 
-    async def wait_ready(self, timeout: float | None = None) -> EndpointView:
+    async def wait_ready(self, timeout: float | None = None) -> FleetView:
         await asyncio.wait_for(self._listeners.wait_first(), timeout)
         assert self._view is not None
         return self._view
 
 
-def static_view(endpoints: Sequence[EndpointInfo], pick_policy: PickPolicySpec | None = None,
-                version: str = "static") -> EndpointView:
-    return EndpointView(version, tuple(endpoints), pick_policy, time.monotonic())
+def static_view(endpoints: Sequence[EndpointView], pick_policy: PickPolicySpec | None = None,
+                version: str = "static") -> FleetView:
+    return FleetView(version, tuple(endpoints), pick_policy, time.monotonic())
 
 
 # --- parsing -------------------------------------------------------------------------------------
@@ -251,7 +251,7 @@ def _partition(fields: Mapping[str, struct_pb2.Value], node_id: str) -> tuple[in
     return replicas.index(node_id), len(replicas)
 
 
-def _endpoint(lb: Any) -> EndpointInfo:
+def _endpoint(lb: Any) -> EndpointView:
     socket = lb.endpoint.address.socket_address
     if not socket.address or socket.WhichOneof("port_specifier") != "port_value":
         raise InvalidResource("an lb_endpoint has no socket address with a port_value")
@@ -273,12 +273,12 @@ def _endpoint(lb: Any) -> EndpointInfo:
     telemetry = {k: v.number_value for k, v in fields.items()
                  if k not in _STATE_KEYS and v.WhichOneof("kind") == "number_value"}
     weight = lb.load_balancing_weight.value if lb.HasField("load_balancing_weight") else 1
-    return EndpointInfo(id=f"{socket.address}:{socket.port_value}", address=socket.address,
+    return EndpointView(id=f"{socket.address}:{socket.port_value}", address=socket.address,
                         port=socket.port_value, weight=weight, healthy=healthy, draining=draining,
                         telemetry=MappingProxyType(telemetry))
 
 
-def parse_load_assignment(data: bytes, cluster: str, version: str, node_id: str = "") -> EndpointView:
+def parse_load_assignment(data: bytes, cluster: str, version: str, node_id: str = "") -> FleetView:
     """The view a serialised ClusterLoadAssignment describes; :class:`InvalidResource` if unusable.
 
     ``node_id``: ours, to find our index in the locality's ``ext_proc_replicas``.
@@ -290,7 +290,7 @@ def parse_load_assignment(data: bytes, cluster: str, version: str, node_id: str 
         raise InvalidResource(f"ClusterLoadAssignment does not parse: {exc}") from None
     if cla.cluster_name != cluster:
         raise ForeignResource(f"ClusterLoadAssignment for {cla.cluster_name!r}, subscribed to {cluster!r}")
-    endpoints: list[EndpointInfo] = []
+    endpoints: list[EndpointView] = []
     seen: set[str] = set()
     spec: PickPolicySpec | None = None
     partition: tuple[int, int] | None = None
@@ -304,10 +304,10 @@ def parse_load_assignment(data: bytes, cluster: str, version: str, node_id: str 
                 raise InvalidResource(f"endpoint {info.id} is listed twice")
             seen.add(info.id)
             endpoints.append(info)
-    return EndpointView(version, tuple(endpoints), spec, time.monotonic(), partition or (0, 1))
+    return FleetView(version, tuple(endpoints), spec, time.monotonic(), partition or (0, 1))
 
 
-async def _parse(data: bytes, cluster: str, version: str, node_id: str) -> EndpointView:
+async def _parse(data: bytes, cluster: str, version: str, node_id: str) -> FleetView:
     if len(data) <= _PARSE_INLINE_BYTES:
         return parse_load_assignment(data, cluster, version, node_id)
     return await asyncio.to_thread(parse_load_assignment, data, cluster, version, node_id)
@@ -368,7 +368,7 @@ class XdsClient:
         backoff, rng = Backoff(settings.backoff_initial_s, settings.backoff_max_s), rng or random.Random()
         # Attempt 0 (the first reconnect) waits about backoff_initial_s; jittered so replicas do not align.
         self._delay: Callable[[int], float] = lambda attempt: backoff.delay(attempt + 1, rng)
-        self._view: EndpointView | None = None
+        self._view: FleetView | None = None
         self._connected = False
         self._listeners = _Listeners()
         self._task: asyncio.Task[None] | None = None
@@ -385,7 +385,7 @@ class XdsClient:
 
     # -- the view ------------------------------------------------------------
     @property
-    def view(self) -> EndpointView | None:
+    def view(self) -> FleetView | None:
         return self._view
 
     @property
@@ -395,7 +395,7 @@ class XdsClient:
     def add_listener(self, listener: ViewListener) -> None:
         self._listeners.add(listener)
 
-    async def wait_ready(self, timeout: float | None = None) -> EndpointView:
+    async def wait_ready(self, timeout: float | None = None) -> FleetView:
         """The first view (raises TimeoutError after ``timeout``)."""
         await asyncio.wait_for(self._listeners.wait_first(), timeout)
         assert self._view is not None
@@ -472,7 +472,7 @@ class XdsClient:
                                          "node_id": self.settings.node_id, "node_cluster": self.settings.node_cluster,
                                          "have_version": self._view.version if self._view else None})
 
-    def _accept(self, view: EndpointView) -> None:
+    def _accept(self, view: FleetView) -> None:
         previous = self._view
         self._view = view
         self.accepted += 1
@@ -540,7 +540,7 @@ class XdsClient:
             self._accept(view)
         if cluster in response.removed_resources:
             # The control plane has no such assignment: no endpoints (503s) rather than stale ones.
-            self._accept(EndpointView(f"{_REMOVED}{response.system_version_info}", (),
+            self._accept(FleetView(f"{_REMOVED}{response.system_version_info}", (),
                                       self._view.pick_policy if self._view else None, time.monotonic()))
         return None
 

@@ -1,7 +1,7 @@
 """Loading user policies: ``module:attribute`` specs and the ``inferlb.policies`` entry-point group.
 
 Both services use this module (it imports neither of them): the control plane
-for weight policies, ext_proc for pick policies.
+for weight policies, ext_proc for the plugins of its pick chain.
 
 **Only what the operator installed can be named.** A policy name comes from
 the admin API or from EDS metadata, so it is untrusted: it may name an entry
@@ -17,10 +17,11 @@ instances have the kind's method, or such an instance. A function such as
 
 What it knows of a policy is duck-typed:
 
-* **kind**: ``"weight"`` (has ``compute(view)``) or ``"pick"`` (has
-  ``rank(request, candidates)``). An entry point's object must declare it as
-  a ``kind`` attribute (that is how one group serves both services); a
-  ``module:attribute`` spec may.
+* **kind**: ``"weight"`` (has ``compute(view)``: the control plane), or a
+  step of ext_proc's pick chain: ``"admit"`` (has ``admit``), ``"filter"``
+  (has ``filter``) or ``"scorer"`` (has ``score``). An entry point's object
+  must declare it as a ``kind`` attribute (that is how one group serves both
+  services); a ``module:attribute`` spec may.
 * **construction**: the object is a class. If it has a ``Params``
   attribute that is a dataclass, the raw parameters are validated into it
   (known names, right types; the dataclass's own ``__post_init__`` checks
@@ -51,8 +52,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 GROUP = "inferlb.policies"
-Kind = Literal["weight", "pick"]
-METHODS: Mapping[str, str] = {"weight": "compute", "pick": "rank"}
+Kind = Literal["weight", "admit", "filter", "scorer"]
+# The method that makes an object a plugin of each kind: a control-plane weight policy, or a step of
+# ext_proc's pick chain (inferlb_runtime/pick_chain.py).
+METHODS: Mapping[str, str] = {"weight": "compute", "admit": "admit", "filter": "filter", "scorer": "score"}
 
 _IDENT = r"[A-Za-z_]\w*"
 SPEC = re.compile(rf"^{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*$")
@@ -263,7 +266,7 @@ def _coerce(where: str, field: str, hint: Any, value: Any) -> Any:
             if option is type(None):
                 continue
             try:
-                return _coerce(where, field, option, value)
+                return _coerce_annotated(where, field, option, value)
             except BadPolicyParams as exc:
                 errors.append(str(exc))
         raise BadPolicyParams(errors[0] if len(errors) == 1 else f"{what}: {value!r} matches none of {hint}")
@@ -295,9 +298,34 @@ def _coerce(where: str, field: str, hint: Any, value: Any) -> Any:
 
 def _hints(obj: Any) -> dict[str, Any]:
     try:
-        return typing.get_type_hints(obj)
+        return typing.get_type_hints(obj, include_extras=True)
     except Exception:  # an annotation that does not resolve: no coercion, the policy checks itself
         return {}
+
+
+_BOUNDS = (("ge", "must be >=", lambda v, b: v >= b), ("gt", "must be >", lambda v, b: v > b),
+           ("le", "must be <=", lambda v, b: v <= b), ("lt", "must be <", lambda v, b: v < b))
+
+
+def _check_bounds(where: str, field: str, constraints: Iterable[Any], value: Any) -> None:
+    """``annotated_types`` bounds (``Annotated[int, Ge(0), Le(2)]``): declared once, checked here and shown
+    in the JSON schema (pydantic reads the same annotations)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    for constraint in constraints:
+        for attr, says, ok in _BOUNDS:
+            bound = getattr(constraint, attr, None)
+            if bound is not None and not ok(value, bound):
+                raise BadPolicyParams(f"{where}: parameter {field!r} {says} {bound}, got {value!r}")
+
+
+def _coerce_annotated(where: str, field: str, hint: Any, value: Any) -> Any:
+    if typing.get_origin(hint) is typing.Annotated:
+        base, *constraints = typing.get_args(hint)
+        coerced = _coerce(where, field, base, value)
+        _check_bounds(where, field, constraints, coerced)
+        return coerced
+    return _coerce(where, field, hint, value)
 
 
 def parse_params(where: str, cls: type, raw: Mapping[str, Any] | None) -> Any:
@@ -314,7 +342,7 @@ def parse_params(where: str, cls: type, raw: Mapping[str, Any] | None) -> Any:
     if missing:
         raise BadPolicyParams(f"{where}: missing required parameter(s) {', '.join(missing)}")
     hints = _hints(cls)
-    values = {k: _coerce(where, k, hints.get(k, Any), v) for k, v in raw.items()}
+    values = {k: _coerce_annotated(where, k, hints.get(k, Any), v) for k, v in raw.items()}
     try:
         return cls(**values)
     except (ValueError, TypeError) as exc:
@@ -411,7 +439,7 @@ def params_schema(obj: Any) -> dict[str, Any]:
     cls = params_class(obj)
     if cls is not None:
         return dataclass_schema(cls)
-    if _is_policy("weight", obj) or _is_policy("pick", obj):
+    if any(_is_policy(kind, obj) for kind in METHODS):
         return {"type": "object", "properties": {}, "additionalProperties": False}
     try:
         signature = inspect.signature(obj)

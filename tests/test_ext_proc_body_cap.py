@@ -52,7 +52,7 @@ def test_a_body_in_chunks_over_the_limit_gets_413_and_the_stream_ends(counter: T
             assert await call.code() == grpc.StatusCode.OK
             registry = h.servicer.metrics.registry
             assert registry.get_sample_value("inferlb_ext_proc_fallbacks_total", {"reason": "body_too_large"}) == 1
-            assert len(h.servicer.outstanding) == 0 and h.servicer.active_streams == 0
+            assert len(h.servicer.router.outstanding) == 0 and h.servicer.active_streams == 0
 
     asyncio.run(scenario())
 

@@ -16,19 +16,12 @@ import orjson
 import pytest
 
 from ext_proc.cost import CostModel, CostParams, parse_orca, parse_server_timing, service_seconds
-from ext_proc.model import Candidate, EndpointInfo, RequestView
+from ext_proc.model import Candidate, Decision, EndpointView, RequestView
 from ext_proc.outstanding import Outstanding, OutstandingLoad
-from ext_proc.picker import Decision, Picker
-from ext_proc.policies import (
-    LeastCompletionTime,
-    LeastCompletionTimeParams,
-    LeastOutstanding,
-    LeastOutstandingParams,
-    P2CTokens,
-    RoundRobin,
-    builtin_pick_policies,
-)
-from ext_proc.policy_loading import make_pick_policy
+from ext_proc.policies import InOrder, Rotate
+from ext_proc.registry import PluginRegistry
+from ext_proc.routing import Router
+from inferlb_runtime.pick_chain import PRESETS, LeastCompletionTimeParams, chain_spec
 from ext_proc.tokens import TokenCounter, packaged_tokenizer_path
 
 MAX_TOKENS = 256
@@ -69,10 +62,10 @@ def body(inp: object, **extra: object) -> bytes:
 
 
 def endpoint(i: int | str, *, weight: int = 100, healthy: bool = True, draining: bool = False,
-             telemetry: Mapping[str, float] | None = None) -> EndpointInfo:
+             telemetry: Mapping[str, float] | None = None) -> EndpointView:
     port = 8100 + i if isinstance(i, int) else 8100
     host = f"10.0.{i // 250}.{i % 250}" if isinstance(i, int) else str(i)
-    return EndpointInfo(id=f"{host}:{port}", address=host, port=port, weight=weight, healthy=healthy,
+    return EndpointView(id=f"{host}:{port}", address=host, port=port, weight=weight, healthy=healthy,
                         draining=draining, telemetry=telemetry or {})
 
 
@@ -80,7 +73,7 @@ def view(tokens: int) -> RequestView:
     return RequestView(tokens=tokens, estimated=False, model=None, inputs=1)
 
 
-def cand(e: EndpointInfo, cost: float = 0.01, outstanding_s: float = 0.0, requests: int = 0,
+def cand(e: EndpointView, cost: float = 0.01, outstanding_s: float = 0.0, requests: int = 0,
          tokens: int = 0) -> Candidate:
     return Candidate(e, cost, outstanding_s, requests, tokens)
 
@@ -353,13 +346,52 @@ def test_outstanding_safety_net_drops_and_counts_old_entries() -> None:
 # --- policies --------------------------------------------------------------------------------------
 
 
-def make_picker(policy: object, cost: object | None = None, **kwargs: object) -> Picker:
-    return Picker(policy, cost or CostModel(), Outstanding(), **kwargs)  # type: ignore[arg-type]
+class Picker:
+    """The router as these tests drive it: a decision books nothing (the tests begin and finish work on
+    ``outstanding`` themselves), so each decision is released at once."""
+
+    def __init__(self, policy: str, params: dict | None = None, cost: object | None = None,
+                 clock: object | None = None) -> None:
+        options = {"clock": clock} if clock is not None else {}
+        self.router = Router(PluginRegistry(), policy, params, cost=cost or CostModel(),  # type: ignore[arg-type]
+                             outstanding=Outstanding(**options), **options)  # type: ignore[arg-type]
+        self.outstanding = self.router.outstanding
+        self._keys = iter(range(-1, -10**9, -1))
+
+    def decide(self, request: RequestView, fleet: Sequence[EndpointView]) -> Decision | None:
+        key = next(self._keys)
+        decision = self.router.decide(key, request, fleet)
+        self.router.release(key)
+        return decision  # type: ignore[return-value]
+
+    def set_policy(self, name: str, params: dict | None = None) -> None:
+        self.router.set_policy(name, params)
+
+    def set_partition(self, index: int, count: int) -> None:
+        self.router.set_partition(index, count)
+
+    def note_load(self, endpoint_id: str, orca: Mapping[str, float]) -> None:
+        self.router.learn(endpoint_id, 0, orca=orca)
+
+    @property
+    def partitioned(self) -> bool:
+        return self.router.partition.partitioned
+
+    @property
+    def replica_factor(self) -> float:
+        return self.router.costing.replica_factor
+
+
+def make_picker(policy: str, params: dict | None = None, cost: object | None = None, **kwargs: object) -> Picker:
+    return Picker(policy, params, cost, **kwargs)  # type: ignore[arg-type]
+
+
+LCT = "least_completion_time"
 
 
 def test_lct_sends_a_request_away_from_a_long_queue() -> None:
     a, b = endpoint(1), endpoint(2)
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)))
+    picker = make_picker(LCT, {"seed": 1})
     for i in range(5):
         picker.outstanding.begin(f"long{i}", a.id, 256, 0.064)
     fleet = (a, b)
@@ -372,7 +404,7 @@ def test_lct_sends_a_request_away_from_a_long_queue() -> None:
 
 def test_lct_long_and_short_sent_together_land_apart() -> None:
     a, b = endpoint(1), endpoint(2)
-    picker = make_picker(make_pick_policy("least_completion_time", {"seed": 3}))
+    picker = make_picker("least_completion_time", {"seed": 3})
     long = picker.decide(view(256), (a, b))
     assert long is not None
     picker.outstanding.begin("long", long.primary, 256, long.predicted_s)
@@ -386,7 +418,7 @@ def test_lct_prefers_the_faster_endpoint_for_a_long_request() -> None:
     rng = random.Random(4)
     _train(cost, fast.id, 0.001, 0.0001, 200, rng)
     _train(cost, slow.id, 0.001, 0.0004, 200, rng)
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)), cost)
+    picker = make_picker(LCT, {"seed": 1}, cost)
     # the slow one has a short queue (10 ms), but a 256-token request costs 104 ms there and 27 ms on the fast one
     picker.outstanding.begin("q", fast.id, 100, 0.03)
     decision = picker.decide(view(256), (fast, slow))
@@ -403,7 +435,7 @@ def test_lct_defaults_leave_weights_out_of_sampling_and_score() -> None:
 
 def test_lct_respects_weights_as_capacity() -> None:
     big, small = endpoint(1, weight=300), endpoint(2, weight=100)
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=5, weight_exponent=1)))
+    picker = make_picker(LCT, {"seed": 5, "weight_exponent": 1})
     picks: Counter[str] = Counter()
     for i in range(400):
         d = picker.decide(view(64), (big, small))
@@ -412,7 +444,7 @@ def test_lct_respects_weights_as_capacity() -> None:
         picker.outstanding.begin(i, d.primary, 64, d.predicted_s)  # never finished: pure capacity split
     assert 2.6 < picks[big.id] / picks[small.id] < 3.4
     # weight_exponent 0 ignores weights: an even split
-    even = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=5, weight_exponent=0)))
+    even = make_picker(LCT, {"seed": 5, "weight_exponent": 0})
     picks.clear()
     for i in range(400):
         d = even.decide(view(64), (big, small))
@@ -424,16 +456,16 @@ def test_lct_respects_weights_as_capacity() -> None:
 
 def test_lct_ties_break_at_random() -> None:
     fleet = tuple(endpoint(i) for i in range(3))
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=9)))
+    picker = make_picker(LCT, {"seed": 9})
     firsts = Counter(picker.decide(view(16), fleet).primary for _ in range(300))  # type: ignore[union-attr]
     assert set(firsts) == {e.id for e in fleet} and min(firsts.values()) > 60
 
 
-@pytest.mark.parametrize("name", sorted(builtin_pick_policies()))
+@pytest.mark.parametrize("name", sorted(PRESETS))
 def test_no_policy_ever_picks_draining_or_unhealthy(name: str) -> None:
     fleet = tuple(endpoint(i, draining=i % 3 == 1, healthy=i % 3 != 2) for i in range(30))
     ok = {e.id for e in fleet if e.routable}
-    picker = make_picker(make_pick_policy(name, {}))
+    picker = make_picker(name, {})
     for i in range(300):
         d = picker.decide(view(32), fleet)
         assert d is not None and set(d.ranked) <= ok
@@ -449,7 +481,7 @@ def test_no_policy_ever_picks_draining_or_unhealthy(name: str) -> None:
 def test_lct_power_of_d_costs_only_d_candidates_on_a_large_fleet() -> None:
     fleet = tuple(endpoint(i) for i in range(2000))
     cost = CountingCost()
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(d=4, seed=11)), cost)
+    picker = make_picker(LCT, {"d": 4, "seed": 11}, cost)
     primaries: set[str] = set()
     for i in range(500):
         cost.calls.clear()
@@ -465,7 +497,7 @@ def test_power_of_d_samples_by_weight() -> None:
     fleet = tuple(endpoint(i, weight=1000 if i < 10 else 1) for i in range(1000))
     heavy = {e.id for e in fleet[:10]}
     cost = CountingCost()
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(d=2, seed=2, sample_weighted=True)), cost)
+    picker = make_picker(LCT, {"d": 2, "seed": 2, "sample_weighted": True}, cost)
     for _ in range(200):
         picker.decide(view(32), fleet)
     share = sum(c in heavy for c in cost.calls) / len(cost.calls)
@@ -475,19 +507,20 @@ def test_power_of_d_samples_by_weight() -> None:
 def test_round_robin_cycles() -> None:
     fleet = tuple(endpoint(i) for i in range(3))
     ids = [e.id for e in fleet]
-    picker = make_picker(make_pick_policy("round_robin", {}))
+    picker = make_picker("round_robin", {})
     got = [picker.decide(view(1), fleet).ranked for _ in range(6)]  # type: ignore[union-attr]
     assert got == [tuple(ids[(s + k) % 3] for k in range(3)) for s in (0, 1, 2, 0, 1, 2)]
-    rr = RoundRobin()
+    rr, first = Rotate(), InOrder()  # round robin's two plugins
     cands = [cand(e) for e in fleet]
-    assert [rr.rank(view(1), cands)[0] for _ in range(4)] == [ids[0], ids[1], ids[2], ids[0]]
-    one = make_picker(make_pick_policy("round_robin", {"fallbacks": 0}))
+    assert [first.pick(view(1), [cands[ids.index(e.id)] for e in rr.filter(view(1), fleet)], [])[0]
+            for _ in range(4)] == [ids[0], ids[1], ids[2], ids[0]]
+    one = make_picker("round_robin", {"fallbacks": 0})
     assert one.decide(view(1), fleet).ranked == (ids[0],)  # type: ignore[union-attr]
 
 
 def test_least_outstanding() -> None:
     fleet = tuple(endpoint(i) for i in range(3))
-    picker = make_picker(LeastOutstanding(LeastOutstandingParams(seed=1)))
+    picker = make_picker("least_outstanding", {"seed": 1})
     picker.outstanding.begin("x", fleet[0].id, 1, 1.0)
     picker.outstanding.begin("y", fleet[0].id, 1, 1.0)
     picker.outstanding.begin("z", fleet[1].id, 1000, 9.0)
@@ -500,7 +533,7 @@ def test_least_outstanding() -> None:
 
 def test_p2c_tokens() -> None:
     a, b = endpoint(1), endpoint(2)
-    picker = make_picker(P2CTokens())
+    picker = make_picker("p2c_tokens")
     picker.outstanding.begin("x", a.id, 500, 0.001)
     picker.outstanding.begin("y", b.id, 20, 0.001)
     picker.outstanding.begin("z", b.id, 20, 0.001)  # more requests, fewer tokens
@@ -508,7 +541,7 @@ def test_p2c_tokens() -> None:
     assert d is not None and d.ranked == (b.id, a.id)
     fleet = tuple(endpoint(i) for i in range(100))
     cost = CountingCost()
-    big = make_picker(make_pick_policy("p2c_tokens", {"seed": 4}), cost)
+    big = make_picker("p2c_tokens", {"seed": 4}, cost)
     for _ in range(50):
         cost.calls.clear()
         d = big.decide(view(10), fleet)
@@ -516,64 +549,72 @@ def test_p2c_tokens() -> None:
 
 
 def test_registry_and_param_errors() -> None:
-    assert set(builtin_pick_policies()) == {"least_completion_time", "round_robin", "least_outstanding",
-                                            "p2c_tokens"}
-    for name in builtin_pick_policies():
-        assert make_pick_policy(name).name == name
-    lct = make_pick_policy("least_completion_time", {"d": 8.0, "seed": 3.0, "weight_exponent": 1})
-    assert lct.params == LeastCompletionTimeParams(d=8, seed=3, weight_exponent=1.0)  # type: ignore[attr-defined]
+    assert set(PRESETS) == {"least_completion_time", "round_robin", "least_outstanding", "p2c_tokens"}
+    registry = PluginRegistry()
+    for name in PRESETS:
+        assert registry.build(name).policy == name
+    lct = chain_spec("least_completion_time", {"d": 8.0, "seed": 3.0, "weight_exponent": 1})
+    assert (lct.sample.d, lct.sample.seed, lct.scorers[0].params) == (8, 3, {"weight_exponent": 1.0})
+    assert PRESETS["least_completion_time"].params() == LeastCompletionTimeParams()
     with pytest.raises(ValueError, match="unknown pick policy 'nope'.*least_completion_time"):
-        make_pick_policy("nope")
+        registry.build("nope")
     bad = [
-        ({"d": 0}, "'d' must be >= 1"), ({"d": 2.5}, "'d' must be an integer"), ({"d": "4"}, "integer"),
-        ({"d": True}, "integer"), ({"speed": 1}, "unknown param.*'speed'"), ({"fallbacks": 3}, "fallbacks"),
+        ({"d": 0}, "'d' must be >= 1"), ({"d": 2.5}, "'d': expected an integer"), ({"d": "4"}, "integer"),
+        ({"d": True}, "integer"), ({"speed": 1}, "unknown param.*speed"), ({"fallbacks": 3}, "fallbacks"),
         ({"weight_exponent": math.nan}, "number"), ({"sample_weighted": 1}, "true or false"),
     ]
     for params, message in bad:
         with pytest.raises(ValueError, match=message):
-            make_pick_policy("least_completion_time", params)
+            registry.build("least_completion_time", params)
     with pytest.raises(ValueError, match="params must be an object"):
-        make_pick_policy("round_robin", [1])  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="round_robin: unknown param"):
-        make_pick_policy("round_robin", {"seed": 1})
+        registry.build("round_robin", [1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'round_robin': unknown param"):
+        registry.build("round_robin", {"seed": 1})
 
 
 # --- picker ----------------------------------------------------------------------------------------
 
 
 def test_picker_returns_none_without_a_routable_endpoint() -> None:
-    picker = make_picker(make_pick_policy("least_completion_time"))
+    picker = make_picker("least_completion_time")
     assert picker.decide(view(10), ()) is None
     assert picker.decide(view(10), (endpoint(1, draining=True), endpoint(2, healthy=False))) is None
 
 
 def test_picker_validates_the_ranking_and_switches_policy() -> None:
+    """A user filter that makes up endpoints is left out of that decision (the rest of the chain decides);
+    switching policy swaps the whole chain."""
     class Liar:
         name = "liar"
 
-        def __init__(self, answer: Sequence[str]) -> None:
+        def __init__(self, answer: Sequence[object]) -> None:
             self.answer = answer
 
-        def rank(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[str]:
+        def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[object]:
             return self.answer
+
+    from ext_proc.guard import GuardedPlugin
 
     fleet = (endpoint(1), endpoint(2), endpoint(3, draining=True))
     ids = [e.id for e in fleet]
-    picker = make_picker(Liar(["made:up", ids[2], ids[1], ids[1], ids[0], ids[1]]))
+    picker = make_picker(LCT, {"seed": 1})
+    chain = picker.router.chain
+    liar = GuardedPlugin(Liar(["made:up", fleet[2], fleet[1]]), "filter")
+    chain.filters = (*chain.filters, liar)
     d = picker.decide(view(10), fleet)
-    assert d == Decision((ids[1], ids[0]), pytest.approx(0.0025), "liar", pytest.approx(0.0025), 2)
-    picker.set_policy(Liar(["made:up"]))
-    assert picker.decide(view(10), fleet) is None
-    picker.set_policy(make_pick_policy("round_robin"))
+    assert d is not None and set(d.ranked) == {ids[0], ids[1]} and d.evaluated == 2
+    assert liar.failures == {"unknown_endpoint": 1}
+    picker.set_policy("round_robin")
     switched = picker.decide(view(10), fleet)
-    assert picker.policy.name == "round_robin" and switched is not None and switched.policy == "round_robin"
+    assert picker.router.policy == "round_robin" and switched is not None and switched.policy == "round_robin"
+    assert switched == Decision((ids[0], ids[1]), pytest.approx(0.0025), "round_robin", pytest.approx(0.0025), 2)
 
 
 def test_picker_counts_foreign_work_from_telemetry_and_orca() -> None:
     clock = FakeClock()
     a = endpoint(1, telemetry={"inflight": 4})  # the worker reports 4 requests, 1 of them ours
     b = endpoint(2)
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)), clock=clock)
+    picker = make_picker(LCT, {"seed": 1}, clock=clock)
     picker.outstanding.begin("ours", a.id, 32, 0.008)
     d = picker.decide(view(32), (a, b))
     assert d is not None and d.ranked[1] == a.id
@@ -594,7 +635,7 @@ def test_picker_counts_foreign_work_from_telemetry_and_orca() -> None:
 def test_picker_extrapolates_a_load_report_with_what_it_began_since() -> None:
     clock = FakeClock()
     a, b = endpoint(1), endpoint(2)
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)), clock=clock)
+    picker = make_picker(LCT, {"seed": 1}, clock=clock)
     picker.decide(view(32), (a, b))
     picker.outstanding.begin("answered", a.id, 32, 0.008)
     picker.note_load(a.id, parse_orca("TEXT named_metrics.inflight=4"))  # 3 foreign after the answered one
@@ -609,7 +650,7 @@ def test_picker_scales_its_own_picks_by_its_share_of_the_fleet_traffic() -> None
     the snapshot stands for 10: the other replicas are taken to act alike instead of herding blind."""
     clock = FakeClock()
     fleet = (endpoint(1, telemetry={"inflight": 0, "rps": 50}), endpoint(2, telemetry={"inflight": 0, "rps": 50}))
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)), clock=clock)
+    picker = make_picker(LCT, {"seed": 1}, clock=clock)
     picker.decide(view(32), fleet)
     for i in range(10):  # 10 decisions/s of our own
         picker.decide(view(32), fleet)
@@ -623,34 +664,24 @@ def test_picker_scales_its_own_picks_by_its_share_of_the_fleet_traffic() -> None
     assert cands[again[1].id].outstanding_s == 0.0
 
 
-def _candidates(picker: Picker, request: RequestView, fleet: Sequence[EndpointInfo]) -> list[Candidate]:
-    seen: list[Candidate] = []
-
-    class Spy:
-        name = "spy"
-
-        def rank(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[str]:
-            seen.extend(candidates)
-            return [candidates[0].id]
-
-    old = picker.policy
-    picker.set_policy(Spy())
+def _candidates(picker: Picker, request: RequestView, fleet: Sequence[EndpointView]) -> list[Candidate]:
+    """What the chain's scorers would see: the fleet's routable endpoints, costed (after a decision has
+    taken the view in)."""
     picker.decide(request, fleet)
-    picker.set_policy(old)
-    return seen
+    return picker.router.costing.candidates(request, [e for e in fleet if e.routable])
 
 
 # --- partitioning a large fleet among ext_proc replicas ----------------------------------------------
 
 
-def _partition_ids(fleet: Sequence[EndpointInfo], index: int, count: int) -> set[str]:
+def _partition_ids(fleet: Sequence[EndpointView], index: int, count: int) -> set[str]:
     return set(sorted(e.id for e in fleet)[index::count])
 
 
 def test_a_replica_picks_only_in_its_partition_of_a_large_fleet() -> None:
     fleet = tuple(endpoint(i) for i in range(64))
     for index in (0, 1):
-        picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=index)))
+        picker = make_picker(LCT, {"seed": index})
         picker.set_partition(index, 2)
         picked = set()
         for _ in range(400):
@@ -664,7 +695,7 @@ def test_a_replica_picks_only_in_its_partition_of_a_large_fleet() -> None:
 
 def test_small_fleets_and_single_replicas_are_never_partitioned() -> None:
     small = tuple(endpoint(i) for i in range(63))  # < 32 per replica for 2 replicas
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=5)))
+    picker = make_picker(LCT, {"seed": 5})
     picker.set_partition(1, 2)
     picked = set()
     for _ in range(2000):
@@ -673,14 +704,14 @@ def test_small_fleets_and_single_replicas_are_never_partitioned() -> None:
         picked.add(decision.primary)
     assert not picker.partitioned and picked == {e.id for e in small}
     picker.set_partition(0, 1)
-    assert picker.routable(tuple(endpoint(i) for i in range(100))) and not picker.partitioned
+    assert picker.decide(view(16), tuple(endpoint(i) for i in range(100))) and not picker.partitioned
 
 
 def test_a_partition_with_nothing_routable_falls_back_to_the_whole_fleet() -> None:
     ids = sorted(endpoint(i).id for i in range(64))
     ours = set(ids[1::2])
     fleet = tuple(endpoint(i, draining=endpoint(i).id in ours) for i in range(64))
-    picker = make_picker(LeastCompletionTime(LeastCompletionTimeParams(seed=2)))
+    picker = make_picker(LCT, {"seed": 2})
     picker.set_partition(1, 2)
     decision = picker.decide(view(16), fleet)
     assert decision is not None and decision.primary not in ours and not picker.partitioned
@@ -690,8 +721,7 @@ def test_the_replica_factor_counts_only_the_partitions_traffic() -> None:
     """Only we send to our partition: its rps over ours is ~1, so our picks are not extrapolated tenfold."""
     clock = [0.0]
     fleet = tuple(endpoint(i, telemetry={"rps": 10.0}) for i in range(64))
-    picker = Picker(LeastCompletionTime(LeastCompletionTimeParams(seed=1)), CostModel(), Outstanding(),
-                    clock=lambda: clock[0])
+    picker = Picker(LCT, {"seed": 1}, CostModel(), clock=lambda: clock[0])
     picker.set_partition(0, 2)
     picker.decide(view(16), fleet)
     for _ in range(320):  # 320 decisions in 1 s; our partition (32 endpoints) served 320/s
@@ -702,7 +732,7 @@ def test_the_replica_factor_counts_only_the_partitions_traffic() -> None:
 
 
 def test_set_partition_rejects_an_index_outside_the_count() -> None:
-    picker = make_picker(LeastCompletionTime())
+    picker = make_picker(LCT)
     for index, count in ((2, 2), (-1, 3), (0, 0)):
         with pytest.raises(ValueError, match="partition index"):
             picker.set_partition(index, count)

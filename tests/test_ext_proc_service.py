@@ -36,18 +36,13 @@ from control_plane.xds.snapshot import Encoded
 from inferlb_runtime.plugins import PolicyAllowlist
 from ext_proc.config import load_config
 from ext_proc.metrics import ExtProcMetrics
-from ext_proc.model import EndpointInfo
-from ext_proc.server import (
-    COUNTED_RESPONSE_HEADER,
-    ENDPOINT_RESPONSE_HEADER,
-    ExtProcServicer,
-    HealthReporter,
-    ServiceSettings,
-    serve_grpc,
-)
+from ext_proc.model import EndpointView
+from ext_proc.server import ExtProcServicer, ServiceSettings
+from ext_proc.serving import HealthReporter, serve_grpc
+from ext_proc.wire import COUNTED_RESPONSE_HEADER, ENDPOINT_RESPONSE_HEADER
 from ext_proc.tokens import TokenCounter
 from ext_proc.xds_client import (
-    EndpointView,
+    FleetView,
     PickPolicySpec,
     StaticViewSource,
     XdsClient,
@@ -61,7 +56,7 @@ from .stack import http, launch, wait_for
 T = TypeVar("T")
 PICK = "x-gateway-destination-endpoint"
 EXT_PROC_GROUP = "inferlb-ext-proc"
-A, B, C = (EndpointInfo(f"127.0.0.1:{p}", "127.0.0.1", p) for p in (8101, 8102, 8103))
+A, B, C = (EndpointView(f"127.0.0.1:{p}", "127.0.0.1", p) for p in (8101, 8102, 8103))
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +79,7 @@ class Harness:
 
 
 @asynccontextmanager
-async def serving(counter: TokenCounter, view: EndpointView | None = None,
+async def serving(counter: TokenCounter, view: FleetView | None = None,
                   default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
                   settings: ServiceSettings = ServiceSettings(),
                   allow: PolicyAllowlist = PolicyAllowlist()) -> AsyncIterator[Harness]:
@@ -173,11 +168,11 @@ def test_a_body_gets_a_pick_header_metadata_and_its_token_count(counter: TokenCo
             assert pick_metadata(second) == headers[PICK]
             assert int(headers["x-inferlb-tokens"]) == expected_tokens  # the tokenizer's own count
             assert float(headers["x-inferlb-predicted-ms"]) > 0
-            assert h.servicer.outstanding.of(picks[0]).requests == 1
-            assert h.servicer.outstanding.of(picks[0]).tokens == expected_tokens
+            assert h.servicer.router.outstanding.of(picks[0]).requests == 1
+            assert h.servicer.router.outstanding.of(picks[0]).tokens == expected_tokens
             await call.done_writing()
             assert await call.read() is grpc.aio.EOF
-            await until(lambda: len(h.servicer.outstanding) == 0, 5, "the stream's end to release its work")
+            await until(lambda: len(h.servicer.router.outstanding) == 0, 5, "the stream's end to release its work")
 
     asyncio.run(scenario())
 
@@ -201,7 +196,7 @@ def test_a_request_without_a_body_is_picked_at_its_headers(counter: TokenCounter
     [dataclasses.replace(A, healthy=False), dataclasses.replace(B, draining=True)],
 ], ids=["no-endpoints", "unhealthy-and-draining"])
 def test_no_routable_endpoint_is_an_immediate_503_in_openai_shape(counter: TokenCounter,
-                                                                  fleet: list[EndpointInfo]) -> None:
+                                                                  fleet: list[EndpointView]) -> None:
     async def scenario() -> None:
         async with serving(counter, static_view(fleet)) as h:
             call = h.stub.Process()
@@ -213,7 +208,7 @@ def test_no_routable_endpoint_is_an_immediate_503_in_openai_shape(counter: Token
             assert set_headers(immediate.headers)["content-type"] == "application/json"
             error = json.loads(immediate.body)["error"]
             assert error["code"] == "no_endpoint_ready" and "No inference endpoint is ready" in error["message"]
-            assert len(h.servicer.outstanding) == 0
+            assert len(h.servicer.router.outstanding) == 0
             call.cancel()
 
     asyncio.run(scenario())
@@ -228,11 +223,11 @@ def test_a_stream_cancelled_before_the_response_releases_its_outstanding_work(co
                 await exchange(call, request_headers())
                 await exchange(call, request_body({"input": "a request whose client goes away"}))
                 calls.append(call)
-            assert h.servicer.outstanding.total().requests == 3
+            assert h.servicer.router.outstanding.total().requests == 3
             for call in calls:  # what Envoy does when the client disconnects or the upstream resets
                 call.cancel()
-            await until(lambda: h.servicer.outstanding.total().requests == 0, 5, "cancelled streams to release")
-            assert h.servicer.outstanding.leaked == 0
+            await until(lambda: h.servicer.router.outstanding.total().requests == 0, 5, "cancelled streams to release")
+            assert h.servicer.router.outstanding.leaked == 0
             registry = h.servicer.metrics.registry
             assert registry.get_sample_value("inferlb_ext_proc_released_total", {"how": "early"}) == 3
 
@@ -242,19 +237,19 @@ def test_a_stream_cancelled_before_the_response_releases_its_outstanding_work(co
 def test_response_headers_feed_the_cost_model_and_release_the_work(counter: TokenCounter) -> None:
     async def scenario() -> None:
         async with serving(counter, static_view([A])) as h:
-            cost = h.servicer.cost
+            cost = h.servicer.router.cost
             call = h.stub.Process()
             await exchange(call, request_headers())
             decided = await exchange(call, request_body({"input": "learn from me"}))
             tokens = int(set_headers(decided.request_body.response.header_mutation)["x-inferlb-tokens"])
-            assert len(h.servicer.outstanding) == 1
+            assert len(h.servicer.router.outstanding) == 1
             answered = await exchange(call, response_headers({
                 ":status": "200", "x-inferlb-tokens": str(tokens),
                 "server-timing": "queue;dur=0.5, compute;dur=7.25, total;dur=8.0",
                 "endpoint-load-metrics": "TEXT cpu_utilization=0.5, named_metrics.queue=0, named_metrics.inflight=1",
             }))
             assert cost.observed(A.id) == 1 and cost.observations == 1
-            assert len(h.servicer.outstanding) == 0
+            assert len(h.servicer.router.outstanding) == 0
             shown = set_headers(answered.response_headers.response.header_mutation)
             assert shown[ENDPOINT_RESPONSE_HEADER] == A.id and shown[COUNTED_RESPONSE_HEADER] == str(tokens)
 
@@ -263,7 +258,7 @@ def test_response_headers_feed_the_cost_model_and_release_the_work(counter: Toke
             await exchange(call, request_headers())
             await exchange(call, request_body({"input": "fails"}))
             await exchange(call, response_headers({":status": "503", "server-timing": "total;dur=0.1"}))
-            assert cost.observed(A.id) == 1 and len(h.servicer.outstanding) == 0
+            assert cost.observed(A.id) == 1 and len(h.servicer.router.outstanding) == 0
 
     asyncio.run(scenario())
 
@@ -283,8 +278,8 @@ def test_the_host_envoy_reports_as_upstream_is_the_one_that_learns(counter: Toke
             message.attributes["envoy.filters.http.ext_proc"].CopyFrom(attributes)
             answered = await exchange(call, message)
             assert set_headers(answered.response_headers.response.header_mutation)[ENDPOINT_RESPONSE_HEADER] == fallback
-            assert (h.servicer.cost.observed(fallback), h.servicer.cost.observed(primary)) == (1, 0)
-            assert len(h.servicer.outstanding) == 0
+            assert (h.servicer.router.cost.observed(fallback), h.servicer.router.cost.observed(primary)) == (1, 0)
+            assert len(h.servicer.router.outstanding) == 0
 
     asyncio.run(scenario())
 
@@ -331,14 +326,14 @@ def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter) ->
 def test_the_pick_policy_follows_eds_and_a_bad_spec_keeps_the_current_one(counter: TokenCounter) -> None:
     async def scenario() -> None:
         async with serving(counter, static_view([A, B])) as h:
-            assert h.servicer.picker.policy.name == "least_completion_time"
+            assert h.servicer.router.policy == "least_completion_time"
             h.source.set(static_view([A, B], PickPolicySpec("round_robin", {"fallbacks": 1.0})))
-            assert h.servicer.picker.policy.name == "round_robin"
+            assert h.servicer.router.policy == "round_robin"
             h.source.set(static_view([A, B], PickPolicySpec("no_such_policy")))
-            assert h.servicer.picker.policy.name == "round_robin"
+            assert h.servicer.router.policy == "round_robin"
             h.source.set(static_view([A, B], PickPolicySpec("least_outstanding", {"d": "many"})))
             h.source.set(static_view([A, B], PickPolicySpec("least_outstanding", {"d": "many"})))  # repeated
-            assert h.servicer.picker.policy.name == "round_robin"
+            assert h.servicer.router.policy == "round_robin"
             registry = h.servicer.metrics.registry
             assert registry.get_sample_value("inferlb_ext_proc_policy_switches_total", {"result": "rejected"}) == 2
             # And the switched policy decides: round robin with one fallback alternates primaries.
@@ -605,11 +600,11 @@ def test_each_replica_learns_its_index_from_the_controllers_list_of_connected_ex
 def test_the_servicer_hands_the_views_partition_to_its_picker(counter: TokenCounter) -> None:
     async def scenario() -> None:
         async with serving(counter, static_view([A, B])) as h:
-            assert h.servicer.picker.partition == (0, 1)
+            assert h.servicer.router.partition.partition == (0, 1)
             h.source.set(dataclasses.replace(static_view([A, B]), partition=(2, 3)))
-            assert h.servicer.picker.partition == (2, 3)
+            assert h.servicer.router.partition.partition == (2, 3)
             h.source.set(static_view([A, B]))  # the list no longer names us: the whole fleet again
-            assert h.servicer.picker.partition == (0, 1)
+            assert h.servicer.router.partition.partition == (0, 1)
 
     asyncio.run(scenario())
 

@@ -74,9 +74,9 @@ class ConfigurationPlan:
 
 def default_pick_policies() -> tuple[str, ...]:
     """Every built-in pick policy but the default (which is ``inferlb_ext_proc`` itself)."""
-    from ext_proc.policies import DEFAULT_PICK_POLICY, builtin_pick_policies
+    from inferlb_runtime.pick_chain import DEFAULT_PICK_POLICY, PRESETS
 
-    return tuple(name for name in builtin_pick_policies() if name != DEFAULT_PICK_POLICY)
+    return tuple(name for name in PRESETS if name != DEFAULT_PICK_POLICY)
 
 
 def plan_configurations(scenario: Scenario, only: Sequence[str] | None = None,

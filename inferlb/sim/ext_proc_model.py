@@ -1,17 +1,18 @@
-"""inferlb with ext_proc: N replicas, each the real Picker, pick policy, CostModel and Outstanding.
+"""inferlb with ext_proc: N replicas, each the real ``Router`` (its pick chain, CostModel and Outstanding).
 
 Each request goes to one replica at random (Envoy's ext_proc cluster spreads
 streams over them). A replica sees exactly what a live one sees, on the
 simulated clock:
 
-* its own requests in flight (``Outstanding``: begun at the pick, finished
-  when the response headers pass), and nothing of the other replicas';
-* per response, the worker's ORCA in-flight figure (``Picker.note_load``, as
-  ``server.py``'s ``_learn`` feeds it) and its compute seconds
-  (``CostModel.observe``, from ``server-timing``);
+* its own requests in flight (begun by ``Router.decide``, ended by
+  ``Router.release`` when the response headers pass), and nothing of the
+  other replicas';
+* per response, ``Router.learn`` with the worker's ORCA in-flight figure and
+  its compute seconds, as the live servicer calls it with what the response
+  headers say;
 * the EDS view: weights and quantised telemetry from the control-plane model,
   refreshed every scrape interval (lagging the truth);
-* its index among the replicas (``Picker.set_partition``), as the control
+* its index among the replicas (``Router.set_partition``), as the control
   plane's ``ext_proc_replicas`` list gives it; the simulated replicas stay
   connected and all carry traffic (requests are spread over every one), so
   the list (the replicas whose decision count grows) never changes and its
@@ -23,39 +24,37 @@ same weights) routes the request, as ``failure_mode_allow`` does live.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, is_dataclass
 from typing import Any
 
-from ext_proc.cost import CostModel
-from ext_proc.model import EndpointInfo, RequestView
-from ext_proc.outstanding import Outstanding
-from ext_proc.picker import ORCA_INFLIGHT_KEY, Picker
-from ext_proc.policies import DEFAULT_PICK_POLICY
-from ext_proc.policy_loading import make_pick_policy
+from ext_proc.costing import ORCA_INFLIGHT_KEY
+from ext_proc.model import Decision, EndpointView, RequestView
+from ext_proc.registry import PluginRegistry
+from ext_proc.routing import Router
+from inferlb_runtime.pick_chain import DEFAULT_PICK_POLICY, PRESETS
 
 from .balancers import WeightedLeastRequest
 from .engine import Tick
 from .fleet import SimFleet
 
 
-def seeded_pick_policy(name: str, seed: int, params: Mapping[str, Any] | None = None):  # type: ignore[no-untyped-def]
-    """The named pick policy, seeded when its params take a seed (determinism per scenario seed)."""
-    policy = make_pick_policy(name, params)
-    chosen = getattr(policy, "params", None)
-    if is_dataclass(chosen) and "seed" in {f.name for f in fields(chosen)} and chosen.seed is None:
-        policy = make_pick_policy(name, {**dict(params or {}), "seed": seed})
-    return policy
+def seeded_params(name: str, seed: int, params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``params`` with ``seed`` when the policy takes a seed and none is given (determinism per scenario seed)."""
+    chosen = dict(params or {})
+    preset = PRESETS.get(name)
+    if preset is not None and "seed" in {f.name for f in dataclasses.fields(preset.params)} \
+            and chosen.get("seed") is None:
+        chosen["seed"] = seed
+    return chosen
 
 
 class Replica:
-    """One ext_proc process."""
+    """One ext_proc process: its router, on the simulated clock."""
 
     def __init__(self, policy_name: str, seed: int, clock, params: Mapping[str, Any] | None = None) -> None:  # type: ignore[no-untyped-def]
-        self.cost = CostModel()
-        self.outstanding = Outstanding(clock=clock)
-        self.picker = Picker(seeded_pick_policy(policy_name, seed, params), self.cost, self.outstanding, clock=clock)
+        self.router = Router(PluginRegistry(), policy_name, seeded_params(policy_name, seed, params), clock=clock)
         self.picks = 0
         self.fallbacks = 0
 
@@ -71,12 +70,12 @@ class ExtProcBalancer:
         self._rng = random.Random(rng.random())
         self.replicas = [Replica(policy, rng.randrange(1 << 30), clock, params) for _ in range(replicas)]
         for index, replica in enumerate(self.replicas):  # the control plane's replica list, as EDS carries it
-            replica.picker.set_partition(index, len(self.replicas))
+            replica.router.set_partition(index, len(self.replicas))
         self.fallback = WeightedLeastRequest(fleet, rng)
         self._ids = tuple(ids)
         self._index = {e: i for i, e in enumerate(self._ids)}
-        self._endpoints: tuple[EndpointInfo, ...] = tuple(
-            EndpointInfo(id=e, address=e.rpartition(":")[0], port=int(e.rpartition(":")[2])) for e in self._ids)
+        self._endpoints: tuple[EndpointView, ...] = tuple(
+            EndpointView(id=e, address=e.rpartition(":")[0], port=int(e.rpartition(":")[2])) for e in self._ids)
         self._views: dict[tuple[int, int], RequestView] = {}
         self._inputs = inputs_per_request
         self._who: dict[int, tuple[Replica, int, float]] = {}  # request -> (replica, tokens, predicted_s)
@@ -85,7 +84,7 @@ class ExtProcBalancer:
     def set_eds(self, weights: Sequence[int], telemetry: Sequence[Mapping[str, float]]) -> None:
         """A new EDS view (weights + rich telemetry) reaches every replica and Envoy's fallback."""
         self._endpoints = tuple(
-            EndpointInfo(id=e.id, address=e.address, port=e.port, weight=int(w), telemetry=t)
+            EndpointView(id=e.id, address=e.address, port=e.port, weight=int(w), telemetry=t)
             for e, w, t in zip(self._endpoints, weights, telemetry))
         self.fallback.set_weights(weights)
 
@@ -96,25 +95,21 @@ class ExtProcBalancer:
         if view is None:
             view = self._views[(tokens, self._inputs)] = RequestView(tokens=tokens * self._inputs, estimated=False,
                                                                      model=None, inputs=self._inputs)
-        decision = replica.picker.decide(view, self._endpoints)
-        if decision is None:
+        decision = replica.router.decide(request, view, self._endpoints)
+        if type(decision) is not Decision:  # none ranked (no admit plugin runs here)
             replica.fallbacks += 1
             return self.fallback.pick(request, tokens, now)
         replica.picks += 1
-        primary = decision.primary
-        replica.outstanding.begin(request, primary, view.tokens, decision.predicted_s)
         self._who[request] = (replica, view.tokens, decision.predicted_s)
-        return self._index[primary]
+        return self._index[decision.primary]
 
     def completed(self, request: int, worker: int, now: float, service_s: float, inflight: int) -> None:
         who = self._who.pop(request, None)
         if who is None:
             return  # routed by the fallback: ext_proc picked nothing, so it does not watch the response
         replica, tokens, predicted_s = who
-        endpoint = self._ids[worker]
-        replica.picker.note_load(endpoint, {ORCA_INFLIGHT_KEY: float(inflight)})
-        replica.cost.observe(endpoint, tokens, service_s, predicted_s)
-        replica.outstanding.finish(request)
+        replica.router.learn(self._ids[worker], tokens, service_s, predicted_s, {ORCA_INFLIGHT_KEY: float(inflight)})
+        replica.router.release(request)
 
     def ticks(self) -> Sequence[tuple[float, Tick]]:
         return ()

@@ -182,7 +182,7 @@ def _result(scenario: Scenario, configuration: str, load: float, rate_rps: float
         extra["ext_proc_replicas"] = len(replicas)
         extra["ext_proc_picks"] = [r.picks for r in replicas]
         extra["ext_proc_fallbacks"] = sum(r.fallbacks for r in replicas)
-        mapes = [r.cost.mape() for r in replicas]
+        mapes = [r.router.cost.mape() for r in replicas]
         finite = [m for m in mapes if math.isfinite(m)]
         if finite:
             extra["cost_mape"] = round(sum(finite) / len(finite), 4)

@@ -1,0 +1,85 @@
+"""One policy's pick chain, run for one request::
+
+    admit -> filters -> sample -> cost -> scorers -> picker
+
+Built by the registry (``registry.py``) from a policy's configuration
+(``inferlb_runtime/pick_chain.py``); run by the router (``routing.py``),
+which owns what outlives a policy switch (the cost model, the outstanding
+ledger, the head filters ``routable`` and ``partition``).
+
+The steps are plain lists read top to bottom, so a decision reads as the
+configuration does. The cost of a decision is the filters' (built-ins cache
+per sequence object: O(1) until EDS changes), plus O(d) for the sampled
+candidates: costing, scoring and picking never see the whole fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .costing import Costing
+from .model import Admit, Candidate, Decision, EndpointView, Filter, Picker, Reply, RequestView, Scorer
+from .policies import Sampler
+
+
+class PickChain:
+    """The steps of one policy, in order."""
+
+    def __init__(self, policy: str, admit: Sequence[Admit], filters: Sequence[Filter], sampler: Sampler,
+                 scorers: Sequence[tuple[Scorer, float]], picker: Picker) -> None:
+        self.policy = policy
+        self.admit = tuple(admit)
+        self.filters = tuple(filters)
+        self.sampler = sampler
+        self.scorers = tuple(scorers)
+        self.picker = picker
+        self._favouring = tuple(s for s, _ in self.scorers if callable(getattr(s, "favourites", None)))
+        self._single = self.scorers[0][0] if len(self.scorers) == 1 and self.scorers[0][1] == 1.0 else None
+
+    @property
+    def plugins(self) -> tuple[object, ...]:
+        """Every plugin of the chain, in order (for the guard's observer and for describing it)."""
+        return (*self.admit, *self.filters, *(s for s, _ in self.scorers), self.picker)
+
+    def decide(self, request: RequestView, fleet: Sequence[EndpointView], costing: Costing) -> Decision | Reply | None:
+        """A ranked pick, an admit plugin's reply, or None (nothing routable or nothing ranked: the caller
+        fails open to Envoy's weighted fallback, or answers 503 when nothing is routable)."""
+        for step in self.admit:
+            reply = step.admit(request, fleet)
+            if reply is not None:
+                return reply
+        pool = fleet
+        for f in self.filters:
+            pool = f.filter(request, pool)
+            if not pool:
+                return None
+        if self._favouring:
+            keep = [e for s in self._favouring for e in s.favourites(request, pool)]  # type: ignore[attr-defined]
+            pool = self.sampler.sample(pool, keep)
+        else:
+            pool = self.sampler.sample(pool)
+        candidates = costing.candidates(request, pool)
+        if not candidates:
+            return None
+        ranked = self.picker.pick(request, candidates, self._scores(request, candidates))
+        if not ranked:
+            return None
+        primary = _find(candidates, ranked[0])
+        return Decision(tuple(ranked), primary.predicted_cost_s, self.policy, primary.predicted_completion_s,
+                        len(candidates))
+
+    def _scores(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[float]:
+        if self._single is not None:  # the common case: one scorer, weight 1
+            return self._single.score(request, candidates)
+        totals = [0.0] * len(candidates)
+        for scorer, weight in self.scorers:
+            for i, s in enumerate(scorer.score(request, candidates)):
+                totals[i] += weight * s
+        return totals
+
+
+def _find(candidates: Sequence[Candidate], endpoint_id: str) -> Candidate:
+    for c in candidates:
+        if c.endpoint.id == endpoint_id:
+            return c
+    raise LookupError(f"the picker chose {endpoint_id}, which is not a candidate")

@@ -1,0 +1,77 @@
+"""Build a policy's pick chain, and say what can be chosen: the one place ext_proc loads plugins.
+
+A policy is a preset name and its params (``inferlb_runtime/pick_chain.py``
+validates both and expands them into a chain). Built-in plugins are built
+from ``policies.py``. A user plugin is named by an ``inferlb.policies`` entry
+point (its class declares ``kind = "admit" | "filter" | "scorer"``) or by a
+``module:attribute`` spec under a module prefix this registry's allowlist
+names (ext_proc's own configuration, ``allowed_policy_modules``: none by
+default). The control plane never imports a plugin for ext_proc: it sends
+``{name, params}`` in EDS metadata and each ext_proc builds the chain here,
+checking the allowlist again. User plugins run behind a guard
+(``guard.py``) reporting to this registry's failure observer.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from inferlb_runtime import pick_chain, plugins
+from inferlb_runtime.pick_chain import BUILTIN_PLUGINS, PRESETS, ChainSpec, PluginRef
+
+from .chain import PickChain
+from .guard import FailureObserver, GuardedPlugin
+from .model import Filter
+from .policies import BUILTIN_CLASSES, Sampler
+
+
+class PluginRegistry:
+    """Loads plugins (built in, installed, or allowed by module prefix) and builds chains of them."""
+
+    def __init__(self, allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist(),
+                 observer: FailureObserver | None = None, **guard_options: Any) -> None:
+        self.allow = allow
+        self.observer = observer  # told of every contained user-plugin failure
+        self._guard_options = guard_options
+
+    def spec(self, name: str, params: Mapping[str, Any] | None = None) -> ChainSpec:
+        """The validated chain of a named policy (``PolicyNotFound`` / ``BadPolicyParams``, both ValueError)."""
+        return pick_chain.chain_spec(name, params, self.allow)
+
+    def build(self, name: str, params: Mapping[str, Any] | None = None, head: Sequence[Filter] = ()) -> PickChain:
+        """The chain of a named policy, its filters after ``head`` (the router's routable and partition)."""
+        spec = self.spec(name, params)
+        return PickChain(
+            spec.policy,
+            [self._plugin("admit", ref) for ref in spec.admit],
+            [*head, *(self._plugin("filter", ref) for ref in spec.filters)],
+            Sampler(spec.sample, random.Random(spec.sample.seed)),
+            [(self._plugin("scorer", ref), ref.weight) for ref in spec.scorers],
+            self._plugin("picker", spec.picker),
+        )
+
+    def _plugin(self, step: pick_chain.Step, ref: PluginRef) -> Any:
+        builtin = ref.builtin
+        if builtin is not None:
+            cls = BUILTIN_CLASSES[builtin.name]
+            if builtin.params is pick_chain.NoParams:
+                return cls()
+            return cls(plugins.parse_params(f"{step} {ref.plugin!r}", builtin.params, ref.params))
+        obj, _ = plugins.resolve(step, ref.plugin, self.allow)  # type: ignore[arg-type]
+        plugin = plugins.instantiate(step, ref.plugin, obj, ref.params)  # type: ignore[arg-type]
+        return GuardedPlugin(plugin, step, observer=self.observer, **self._guard_options)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every policy and plugin that can be named: ``{name, kind, summary, params_schema, source}``, policies
+        first, then built-in plugins, then installed ones."""
+        described = [{"name": p.name, "kind": "pick", "summary": p.summary,
+                      "params_schema": plugins.dataclass_schema(p.params), "source": "builtin"}
+                     for p in sorted(PRESETS.values(), key=lambda p: p.name)]
+        described += [{"name": p.name, "kind": p.step, "summary": p.summary,
+                       "params_schema": plugins.dataclass_schema(p.params), "source": "builtin"}
+                      for p in sorted(BUILTIN_PLUGINS.values(), key=lambda p: (p.step, p.name))]
+        for step in pick_chain.USER_STEPS:
+            described += [d for d in plugins.describe_entry_points(step) if d["name"] not in BUILTIN_PLUGINS]
+        return described

@@ -1,0 +1,87 @@
+"""Decide where a request goes, and learn from how it went: what the live servicer and the simulator share.
+
+The servicer (``server.py``) speaks ext_proc's gRPC and calls :meth:`Router.decide` when a request's body
+is in, :meth:`Router.learn` with what the response headers said, and :meth:`Router.release` when the
+stream ends however it ends. The simulator (``inferlb/sim/ext_proc_model.py``) calls the same three on
+its simulated clock, so what it measures is this code, not a copy of it.
+
+The router owns what outlives a policy switch: the cost model, the outstanding ledger, the load reports
+(``costing.py``) and the chain's head filters (``routable``, then this replica's ``partition``); the
+policy's own steps are a :class:`~ext_proc.chain.PickChain` swapped whole by :meth:`set_policy`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .chain import PickChain
+from .cost import CostModel
+from .costing import Costing
+from .model import Decision, EndpointView, Reply, RequestView
+from .outstanding import Outstanding
+from .policies import Partition, Routable
+from .registry import PluginRegistry
+
+
+class Router:
+    """One per ext_proc process (or simulated replica); called on its event loop."""
+
+    def __init__(self, registry: PluginRegistry, policy: str, params: Mapping[str, Any] | None = None, *,
+                 cost: CostModel | None = None, outstanding: Outstanding | None = None,
+                 clock: Callable[[], float] = time.monotonic, **costing_options: Any) -> None:
+        """A bad ``policy`` or ``params`` raises ValueError here (at start-up)."""
+        self.registry = registry
+        self.cost = cost if cost is not None else CostModel()
+        self.outstanding = outstanding if outstanding is not None else Outstanding(clock=clock)
+        self.costing = Costing(self.cost, self.outstanding, clock=clock, **costing_options)
+        self.routable = Routable()
+        self.partition = Partition()
+        self._fleet: Sequence[EndpointView] | None = None
+        self.chain: PickChain = registry.build(policy, params, head=(self.routable, self.partition))
+
+    @property
+    def policy(self) -> str:
+        return self.chain.policy
+
+    def set_policy(self, name: str, params: Mapping[str, Any] | None = None) -> None:
+        """Switch to another policy's chain; the next decision uses it. ValueError (and no switch) if it
+        cannot be built."""
+        self.chain = self.registry.build(name, params, head=(self.routable, self.partition))
+
+    def set_partition(self, index: int, count: int) -> None:
+        """Our place among the ext_proc replicas (the control plane's list of them, in EDS)."""
+        self.partition.set_partition(index, count)
+        self._fleet = None  # re-derive the partition and the traffic share on the next decision
+
+    def decide(self, key: int, request: RequestView, fleet: Sequence[EndpointView]) -> Decision | Reply | None:
+        """Run the chain. A decision's predicted work counts as outstanding on its primary (under ``key``)
+        until :meth:`release`. Plugins' exceptions are contained by their guards; a built-in's propagates
+        (the caller counts it and fails open)."""
+        if fleet is not self._fleet:
+            self._new_view(request, fleet)
+        outcome = self.chain.decide(request, fleet, self.costing)
+        if type(outcome) is Decision:
+            self.outstanding.begin(key, outcome.ranked[0], request.tokens, outcome.predicted_s)
+        return outcome
+
+    def _new_view(self, request: RequestView, fleet: Sequence[EndpointView]) -> None:
+        self._fleet = fleet
+        self.partition.set_fleet(fleet)
+        ours = self.partition.filter(request, self.routable.filter(request, fleet))
+        self.costing.new_view(fleet, ours if self.partition.partitioned else fleet)
+
+    def learn(self, endpoint: str, tokens: int, seconds: float | None = None, predicted_s: float | None = None,
+              orca: Mapping[str, float] | None = None) -> None:
+        """What a response taught: the worker's load report (``orca``) and its compute ``seconds`` for
+        ``tokens`` (``predicted_s``: what was predicted for it, to score the cost model). Call it before
+        :meth:`release` (the report counted the request still)."""
+        if orca:
+            self.costing.note_load(endpoint, orca)
+        if seconds is not None:
+            self.cost.observe(endpoint, tokens, seconds, predicted_s)
+
+    def release(self, key: int) -> bool:
+        """The request under ``key`` is over (idempotent: True the first time only)."""
+        return self.outstanding.finish(key)

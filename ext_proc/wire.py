@@ -1,0 +1,351 @@
+"""ext_proc's wire: the headers it reads and writes, and its answers as serialised ProcessingResponses.
+
+Speed (this is the per-request path: see docs/benchmarks.md). The servicer
+answers with pre-serialised bytes: constant answers are serialised once, the
+pick's header entry and ``envoy.lb`` metadata are cached per ranked pick
+(``PickAnswers``), and only the per-request header entries (tokens, predicted
+ms) are encoded per request, in protobuf's wire format with field numbers
+read from the descriptors (never hand-copied). The request headers are parsed
+into a dict only if a plugin reads them (``RequestHeaders``); of the response
+headers only the few ext_proc learns from are read (``read_response``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import orjson
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from .cost import parse_orca, parse_server_timing, service_seconds
+from .costing import ORCA_INFLIGHT_KEY
+from .model import Reply
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_METHOD = "Process"
+TOKENS_HEADER = "x-inferlb-tokens"
+PREDICTED_HEADER = "x-inferlb-predicted-ms"
+# On the response to the client, for observability: the primary pick and what ext_proc counted.
+ENDPOINT_RESPONSE_HEADER = "x-inferlb-endpoint"
+COUNTED_RESPONSE_HEADER = "x-inferlb-counted-tokens"
+SERVER_TIMING_HEADER = "server-timing"
+ORCA_HEADER = "endpoint-load-metrics"
+# Envoy's attribute for the host that actually served (after retries), if the filter asks for it.
+UPSTREAM_ATTRIBUTE = "upstream.address"
+EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+# --- protobuf wire format, for the answers built per request ---------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SHORT = [bytes((n,)) for n in range(128)]  # one-byte lengths, the common case
+
+
+def _ld(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field (sub-message, string, bytes)."""
+    n = len(payload)
+    return tag + (_SHORT[n] if n < 128 else _varint(n)) + payload
+
+
+def _tag(message: Any, field: str) -> bytes:
+    """The key of a length-delimited field, from the descriptor (never a hand-copied number)."""
+    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+
+
+_T_HEADER = _tag(base_pb2.HeaderValueOption, "header")
+_T_KEY = _tag(base_pb2.HeaderValue, "key")
+_T_RAW_VALUE = _tag(base_pb2.HeaderValue, "raw_value")
+_APPEND_ACTION = (_varint(base_pb2.HeaderValueOption.DESCRIPTOR.fields_by_name["append_action"].number << 3)
+                  + _varint(_OVERWRITE))
+_T_SET_HEADERS = _tag(pb.HeaderMutation, "set_headers")
+_T_HEADER_MUTATION = _tag(pb.CommonResponse, "header_mutation")
+_T_COMMON = _tag(pb.BodyResponse, "response")
+assert _T_COMMON == _tag(pb.HeadersResponse, "response")
+T_REQUEST_HEADERS = _tag(pb.ProcessingResponse, "request_headers")
+T_REQUEST_BODY = _tag(pb.ProcessingResponse, "request_body")
+T_RESPONSE_HEADERS = _tag(pb.ProcessingResponse, "response_headers")
+_T_DYNAMIC_METADATA = _tag(pb.ProcessingResponse, "dynamic_metadata")
+
+
+def option_prefix(key: str) -> bytes:
+    """Everything of a ``set_headers`` entry's HeaderValue before its value's length."""
+    return _T_KEY + _varint(len(key.encode())) + key.encode() + _T_RAW_VALUE
+
+
+def option(prefix: bytes, value: bytes) -> bytes:
+    """One ``set_headers`` entry (OVERWRITE_IF_EXISTS_OR_ADD) from :func:`option_prefix` and the value."""
+    n = len(value)
+    header = prefix + (_SHORT[n] if n < 128 else _varint(n)) + value
+    return _ld(_T_SET_HEADERS, _ld(_T_HEADER, header) + _APPEND_ACTION)
+
+
+def phase(tag: bytes, set_headers: bytes) -> bytes:
+    """A ProcessingResponse answering one phase (``tag``) with these ``set_headers`` entries."""
+    return _ld(tag, _ld(_T_COMMON, _ld(_T_HEADER_MUTATION, set_headers)))
+
+
+def metadata(namespace: str, key: str, value: str) -> bytes:
+    """``dynamic_metadata`` {namespace: {key: value}}, serialised by protobuf itself (cached per pick)."""
+    struct = struct_pb2.Struct()
+    struct.fields[namespace].struct_value.fields[key].string_value = value
+    return _ld(_T_DYNAMIC_METADATA, struct.SerializeToString())
+
+
+P_TOKENS = option_prefix(TOKENS_HEADER)
+P_PREDICTED = option_prefix(PREDICTED_HEADER)
+P_ENDPOINT = option_prefix(ENDPOINT_RESPONSE_HEADER)
+P_COUNTED = option_prefix(COUNTED_RESPONSE_HEADER)
+PICK_CACHE_MAX = 4096  # ranked picks whose header entry and metadata are kept serialised
+
+# Answers that never change: serialised once.
+CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
+CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
+PASS_THROUGH = {
+    "request_trailers": pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString(),
+    "response_body": pb.ProcessingResponse(response_body=pb.BodyResponse()).SerializeToString(),
+    "response_trailers": pb.ProcessingResponse(response_trailers=pb.TrailersResponse()).SerializeToString(),
+}
+
+
+# --- building answers ----------------------------------------------------------------------------
+
+
+def set_header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+                                      append_action=_OVERWRITE)
+
+
+def headers_of(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Envoy 1.40 sends ``raw_value`` (bytes); older ones ``value``. Keys are lower case."""
+    return {h.key: (h.raw_value.decode("latin-1") if h.raw_value else h.value) for h in headers.headers.headers}
+
+
+def add_headers(mutation: pb.HeaderMutation, headers: Sequence[tuple[str, str]]) -> None:
+    """Append OVERWRITE_IF_EXISTS_OR_ADD entries to ``mutation.set_headers``."""
+    add = mutation.set_headers.add
+    for key, value in headers:
+        option = add()
+        option.header.key = key
+        option.header.raw_value = value.encode()
+        option.append_action = _OVERWRITE
+
+
+_LEARN_FROM = frozenset({":status", SERVER_TIMING_HEADER, ORCA_HEADER, TOKENS_HEADER})
+
+
+def response_headers_of(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Only the response headers ext_proc learns from."""
+    out = {}
+    for h in headers.headers.headers:
+        key = h.key
+        if key in _LEARN_FROM:
+            raw = h.raw_value
+            out[key] = raw.decode("latin-1") if raw else h.value
+    return out
+
+
+class RequestHeaders(Mapping[str, str]):
+    """The request headers as a mapping, parsed from the message only if someone reads them
+    (the built-in policies never do), without the stripped ones."""
+
+    __slots__ = ("_message", "_strip", "_dict")
+
+    def __init__(self, message: pb.HttpHeaders, strip: Sequence[str]) -> None:
+        self._message = message
+        self._strip = strip
+        self._dict: dict[str, str] | None = None
+
+    def _parsed(self) -> dict[str, str]:
+        if self._dict is None:
+            self._dict = headers_of(self._message)
+            for name in self._strip:
+                self._dict.pop(name, None)
+        return self._dict
+
+    def __getitem__(self, key: str) -> str:
+        return self._parsed()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._parsed())
+
+    def __len__(self) -> int:
+        return len(self._parsed())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._parsed()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._parsed().get(key, default)
+
+    def __eq__(self, other: object) -> bool:
+        return self._parsed() == other if isinstance(other, Mapping) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"RequestHeaders({self._parsed()!r})"
+
+
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+# The fast forms of the two response headers ext_proc learns from, as the workers write them; anything
+# else takes the general parsers in cost.py. Both take the last occurrence, as the general parsers do.
+COMPUTE_MS = re.compile(r"(?:^|,)\s*compute;dur=([0-9]+(?:\.[0-9]+)?)\s*(?=,|$)")
+ORCA_INFLIGHT = re.compile(r"[ ,]named_metrics\.inflight=([0-9]+(?:\.[0-9]+)?)\s*(?=,|$)")
+
+
+def error_body(message: str, code: str, type_: str = "server_error") -> bytes:
+    """OpenAI's error shape, as the workers answer."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+NO_ENDPOINT_BODY = error_body(
+    "No inference endpoint is ready: every worker is unhealthy, draining or not registered. "
+    "Retry later.", "no_endpoint_ready")
+
+
+def immediate(status: int, body: bytes, details: str, *headers: tuple[str, str]) -> bytes:
+    """An ImmediateResponse with a JSON body. ``details`` (Envoy's response code details) starts with
+    ``inferlb_``: the listener's local-reply mappers leave such replies as they are (control_plane/resources.py)."""
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=pb.HeaderMutation(set_headers=[set_header("content-type", "application/json"),
+                                               *(set_header(k, v) for k, v in headers)]),
+        body=body,
+        details=details,
+    )).SerializeToString()
+
+
+NO_ENDPOINT = immediate(http_status_pb2.ServiceUnavailable, NO_ENDPOINT_BODY, "inferlb_no_endpoint_ready",
+                          ("retry-after", "1"))  # never changes: built once
+
+
+def body_too_large_response(limit: int) -> bytes:
+    """413 for a body over ``limit`` bytes, in the workers' shape (``request_too_large``)."""
+    return immediate(http_status_pb2.PayloadTooLarge,
+                      error_body(f"request body is over the limit of {limit} bytes", "request_too_large",
+                                 "invalid_request_error"),
+                      "inferlb_request_too_large")
+
+
+
+def reply_response(reply: Reply) -> bytes:
+    """An admit plugin's :class:`~ext_proc.model.Reply` as an ImmediateResponse in OpenAI's shape."""
+    headers = (("retry-after", str(reply.retry_after_s)),) if reply.retry_after_s is not None else ()
+    return immediate(reply.status, error_body(reply.message, reply.code, reply.type), f"inferlb_{reply.code}",
+                     *headers)
+
+
+def request_headers_answer(strip: Sequence[str]) -> bytes:
+    """CONTINUE after the request headers, removing the client-sent pick headers ``strip`` names."""
+    if not strip:
+        return CONTINUE_HEADERS
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(remove_headers=strip)))).SerializeToString()
+
+
+def without_pick(headers_phase: bool, strip: Sequence[str], tokens: int | None = None) -> bytes:
+    """Fail open: no pick, Envoy's weighted least_request chooses. The client's pick stays removed."""
+    response = pb.ProcessingResponse()
+    mutation = (response.request_headers if headers_phase else response.request_body).response.header_mutation
+    if tokens is not None:
+        add_headers(mutation, ((TOKENS_HEADER, str(tokens)),))
+    mutation.remove_headers.extend(strip)
+    return response.SerializeToString()
+
+
+class PickAnswers:
+    """The answer carrying a pick: the pick header, ``envoy.lb`` metadata, tokens and predicted ms.
+
+    The pick's header entry and metadata are cached per ranked pick (the same for any view: an endpoint id,
+    host:port, always gives the same pick value); only tokens and predicted ms are encoded per request.
+    """
+
+    def __init__(self, pick_header: str, metadata_namespace: str) -> None:
+        self.pick_header = pick_header
+        self.metadata_namespace = metadata_namespace
+        self._prefix = option_prefix(pick_header)
+        self._picks: dict[tuple[str, ...], tuple[str, bytes, bytes]] = {}
+
+    def pick(self, ranked: tuple[str, ...], pick_values: Mapping[str, str]) -> tuple[str, bytes, bytes]:
+        """The pick's header value, its set_headers entry and its dynamic metadata (cached)."""
+        cached = self._picks.get(ranked)
+        if cached is None:
+            value = ",".join([pick_values[e] for e in ranked])
+            cached = (value, option(self._prefix, value.encode()),
+                      metadata(self.metadata_namespace, self.pick_header, value))
+            if len(self._picks) >= PICK_CACHE_MAX:
+                self._picks.clear()
+            self._picks[ranked] = cached
+        return cached
+
+    def answer(self, headers_phase: bool, pick_option: bytes, pick_metadata: bytes, tokens: int,
+               predicted_s: float) -> bytes:
+        return phase(T_REQUEST_HEADERS if headers_phase else T_REQUEST_BODY,
+                     pick_option + option(P_TOKENS, str(tokens).encode())
+                     + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000))) + pick_metadata
+
+
+def response_headers_answer(served_by: str, tokens: int, predicted_s: float) -> bytes:
+    """The response headers ext_proc adds for observability: who served, what was counted and predicted."""
+    return phase(T_RESPONSE_HEADERS, option(P_ENDPOINT, served_by.encode()) + option(P_COUNTED, str(tokens).encode())
+                 + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000)))
+
+
+@dataclass
+class Learned:
+    """What a worker's response headers say, for :meth:`ext_proc.routing.Router.learn`."""
+
+    tokens: int | None = None  # what the worker actually ran (after truncation)
+    seconds: float | None = None  # its compute time
+    orca: Mapping[str, float] | None = None  # its load report
+    unparsed: tuple[str, ...] = ()  # headers present but not understood: "orca", "tokens_header", "server_timing"
+
+
+def read_response(headers: Mapping[str, str]) -> Learned:
+    """Parse the learning headers (fast forms first, as the workers write them; else cost.py's parsers)."""
+    learned = Learned()
+    unparsed = []
+    orca_text = headers.get(ORCA_HEADER)
+    if orca_text:
+        found = ORCA_INFLIGHT.findall(orca_text) if orca_text.startswith("TEXT ") else None
+        if found:  # the workers' form: only the in-flight figure is used
+            learned.orca = {ORCA_INFLIGHT_KEY: float(found[-1])}
+        else:
+            learned.orca = parse_orca(orca_text) or None
+            if learned.orca is None:
+                unparsed.append("orca")
+    raw_tokens = headers.get(TOKENS_HEADER)
+    if raw_tokens is not None:
+        try:
+            learned.tokens = int(raw_tokens)
+        except ValueError:
+            unparsed.append("tokens_header")
+    timing_text = headers.get(SERVER_TIMING_HEADER)
+    if timing_text:  # else not a worker's answer (or a worker without timings): no time to learn
+        found = COMPUTE_MS.findall(timing_text)
+        seconds = float(found[-1]) / 1000.0 if found else 0.0
+        if not seconds > 0.0:  # not the workers' form, or no compute time: the general parser decides
+            parsed = service_seconds(parse_server_timing(timing_text))
+            seconds = parsed if parsed is not None else -1.0
+            if parsed is None:
+                unparsed.append("server_timing")
+        if seconds >= 0.0:
+            learned.seconds = seconds
+    learned.unparsed = tuple(unparsed)
+    return learned
