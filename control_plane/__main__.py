@@ -32,7 +32,7 @@ from .metrics import ControlPlaneMetrics
 from .nginx.applier import NginxApplier
 from .nginx.process import NginxError
 from .policy import WeightPolicy
-from .policy_loading import make_weight_policy
+from .policy_registry import WeightPolicyRegistry
 from .replica_activity import watch_replicas
 from .scraper import Scraper, ScraperConfig
 from .serving import TlsConfigError, admin_tls_arguments, warn_plaintext, xds_server_settings
@@ -53,7 +53,7 @@ def restored_policies(stored: OperatorState, allow: PolicyAllowlist) -> tuple[We
     weight = None
     if stored.weight_policy is not None:
         try:
-            weight = make_weight_policy(stored.weight_policy.name, stored.weight_policy.params, allow)
+            weight = WeightPolicyRegistry(allow).make(stored.weight_policy.name, stored.weight_policy.params)
             log.info("weight policy restored from the store (it beats the config's)",
                      extra={"weight_policy": weight.name})
         except (ValueError, TypeError) as exc:
@@ -206,8 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides["nginx"] = {"enabled": args.dataplane == "nginx"}
     try:
         config = load_config(args.config, overrides)
-        make_weight_policy(config.weight_policy, config.weight_params,
-                           config.policy_allowlist)  # refuse a bad policy up front
+        # Refuse a bad policy up front.
+        WeightPolicyRegistry(config.policy_allowlist).make(config.weight_policy, config.weight_params)
     except (ValidationError, ValueError, OSError) as exc:
         print(f"python -m control_plane: invalid configuration:\n{exc}", file=sys.stderr)
         return 2

@@ -81,11 +81,12 @@ from .controller import Controller
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState, Health, PickPolicySpec, Telemetry
 from .nginx.applier import NginxApplier
-from .policy import WeightPolicy, builtin_weight_policies, weight_policy_params
-from .policy_loading import describe_weight_policies, make_weight_policy
+from .policy import WeightPolicy
+from .policy_registry import WeightPolicyRegistry, weight_policy_params
 from .store import OperatorState, OperatorStore, PolicyKind, StoredPolicy, StoreError, reconcile
 from .telemetry import is_stale
 from .type_urls import ENDPOINT, SHORT_NAMES
+from .weight_policies import builtin_weight_policies
 
 log = logging.getLogger("inferlb.control_plane.admin")
 
@@ -165,7 +166,7 @@ def telemetry_out(t: Telemetry, now: float, stale_after_s: float) -> TelemetryOu
 def weight_policy_catalogue() -> list[AvailablePolicy]:
     """Built-in and entry-point weight policies (``module:attribute`` ones can be named, not listed)."""
     return [AvailablePolicy(name=d["name"], summary=d["summary"], params_schema=d["params_schema"])
-            for d in describe_weight_policies()]
+            for d in WeightPolicyRegistry().describe()]
 
 
 def pick_policy_catalogue() -> list[AvailablePolicy]:
@@ -453,8 +454,8 @@ class AdminService:
         if stored.weight_policy is not None and stored.weight_policy != self._weight_stored:
             self._weight_stored = stored.weight_policy
             try:
-                self.controller.set_policy(make_weight_policy(stored.weight_policy.name,
-                                                              stored.weight_policy.params, allow))
+                self.controller.set_policy(WeightPolicyRegistry(allow).make(stored.weight_policy.name,
+                                                                            stored.weight_policy.params))
                 log.info("weight policy changed by another replica", extra={"weight_policy": stored.weight_policy.name})
             except (ValueError, TypeError) as exc:
                 log.error("stored weight policy not applied: keeping the current one", extra={"error": str(exc)})
@@ -471,7 +472,7 @@ def build_weight_policy(name: str, params: Mapping[str, Any], allow: PolicyAllow
     """A weight policy from the API's ``{name, params}``: 400 when the name leads to no policy or is not
     allowed (listing what is), 422 when its parameters are wrong (a built-in's, or a ``BadPolicyParams``)."""
     try:
-        return make_weight_policy(name, params, allow)
+        return WeightPolicyRegistry(allow).make(name, params)
     except (ValueError, TypeError) as exc:
         if name in builtin_weight_policies() or isinstance(exc, plugins.BadPolicyParams):
             raise ApiError(422, "invalid_params", str(exc)) from None

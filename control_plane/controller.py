@@ -38,7 +38,8 @@ from .discovery.reconcile import Override, Reconciled, SourceMemory, reconcile
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState
 from .policy import WeightPolicy, fleet_view
-from .policy_loading import contained_compute, make_weight_policy
+from .policy_guard import WeightPolicyGuard
+from .policy_registry import WeightPolicyRegistry
 from .resources import EndpointMemo, build_static_resources, encode_load_assignment
 from .scraper import ScrapeResult, apply_scrape_results
 from .type_urls import ENDPOINT
@@ -92,8 +93,10 @@ class Controller:
         self.cache = cache
         self.metrics = metrics
         self.state = state if state is not None else initial_state(config)
-        self.policy: WeightPolicy = policy if policy is not None else make_weight_policy(
-            config.weight_policy, config.weight_params, config.policy_allowlist)
+        if policy is None:
+            policy = WeightPolicyRegistry(config.policy_allowlist).make(config.weight_policy, config.weight_params)
+        # The active policy, contained: a failing, garbage-returning or slow one gets the default's weights.
+        self.guard = WeightPolicyGuard(policy)
         self.epoch = make_epoch()
         self.snapshot: Snapshot | None = None  # the Envoys' (the cache's default)
         self.ext_proc_snapshot: Snapshot | None = None
@@ -145,9 +148,7 @@ class Controller:
 
         def change(state: FleetState) -> FleetState:
             endpoints = apply_scrape_results(state.endpoints, results, unhealthy_after=self.config.unhealthy_after)
-            # Contained: a failing, garbage-returning or slow policy gets the default's weights (policy_loading).
-            weights = contained_compute(self.policy, fleet_view(endpoints, now, self.config.stale_after_s),
-                                        self.metrics)
+            weights = self.guard.compute(fleet_view(endpoints, now, self.config.stale_after_s), self.metrics)
             endpoints = tuple(
                 dataclasses.replace(e, computed_weight=weights[e.id])
                 if e.id in weights and weights[e.id] != e.computed_weight
@@ -164,8 +165,15 @@ class Controller:
             if e.id in before and before[e.id][0] != e.health:
                 log.warning("endpoint health changed", extra={"endpoint": e.id, "health": e.health.value})
 
+    @property
+    def policy(self) -> WeightPolicy:
+        """The active weight policy."""
+        return self.guard.policy
+
     def set_policy(self, policy: WeightPolicy) -> None:
-        self.policy = policy
+        """Make ``policy`` the active one, with a guard of its own (its failure record starts clean)."""
+        if policy is not self.guard.policy:
+            self.guard = WeightPolicyGuard(policy)
 
     # -- discovery (control_plane.discovery) ----------------------------------
     def seed_discovery_overrides(self, source: DiscoverySource, overrides: Mapping[str, Override]) -> None:

@@ -198,7 +198,7 @@ class ControlPlaneMetrics:
         for type_url in changed_types:
             self.snapshots.labels(type=_type(type_url)).inc()
 
-    # policy_loading.FailureObserver
+    # policy_guard.FailureObserver
     def policy_failure(self, policy: str, reason: str) -> None:
         self.policy_failures.labels(policy=policy, reason=reason).inc()
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from control_plane.model import Health, Telemetry
-from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView
-from control_plane.policy_loading import make_weight_policy
+from control_plane.policy import EndpointView, FleetView
+from control_plane.policy_registry import make_weight_policy
+from control_plane.weight_policies import CapacityWeightPolicy
 from examples.policies.canary import CanaryParams, CanaryWeightPolicy, with_canary_share
 from examples.policies.sticky_session import StickySessionParams, StickySessionPolicy, stable_hash
 from ext_proc.cost import CostModel

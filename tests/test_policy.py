@@ -7,18 +7,9 @@ from dataclasses import replace
 import pytest
 
 from control_plane.model import Endpoint, Health, Telemetry
-from control_plane.policy import (
-    CapacityParams,
-    CapacityWeightPolicy,
-    EndpointView,
-    FleetView,
-    WeightPolicy,
-    builtin_weight_policies,
-    damp,
-    fleet_view,
-    weight_policy_params,
-)
-from control_plane.policy_loading import make_weight_policy
+from control_plane.policy import EndpointView, FleetView, WeightPolicy, fleet_view
+from control_plane.policy_registry import make_weight_policy, weight_policy_params
+from control_plane.weight_policies import CapacityParams, CapacityWeightPolicy, builtin_weight_policies, damp
 
 NOW = 100.0
 

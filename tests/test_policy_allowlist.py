@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.policy_loading import make_weight_policy
+from control_plane.policy_registry import make_weight_policy
 from ext_proc.policy_loading import make_pick_policy
 from inferlb_runtime.plugins import PolicyAllowlist, PolicyNotFound
 

@@ -16,9 +16,11 @@ from control_plane.config import ControlPlaneConfig
 from control_plane.controller import Controller
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model import Health, Telemetry
-from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView
-from control_plane.policy_loading import WeightPolicyGuard, contained_compute, guard_for, make_weight_policy
+from control_plane.policy import EndpointView, FleetView
+from control_plane.policy_guard import WeightPolicyGuard
+from control_plane.policy_registry import make_weight_policy
 from control_plane.scraper import ScrapeOk
+from control_plane.weight_policies import CapacityWeightPolicy
 from control_plane.xds import SnapshotCache
 from ext_proc.cost import CostModel
 from ext_proc.metrics import ExtProcMetrics
@@ -202,9 +204,16 @@ def test_failures_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture)
 
 
 def test_guards_are_per_policy_instance() -> None:
+    """The controller owns its policy's guard: kept while the policy is, replaced (clean record) when it changes."""
     a, b = Scripted(raising), Scripted(raising)
-    assert guard_for(a) is guard_for(a) and guard_for(a) is not guard_for(b)
-    assert contained_compute(a, fleet_view()) == CapacityWeightPolicy().compute(fleet_view())
+    controller = Controller(ControlPlaneConfig(endpoints=["127.0.0.1:9001"]), SnapshotCache(), policy=a)
+    guard_of_a = controller.guard
+    controller.set_policy(a)
+    assert controller.guard is guard_of_a and controller.guard.policy is a and controller.policy is a
+    controller.set_policy(b)
+    assert controller.guard is not guard_of_a and controller.guard.policy is b and controller.policy is b
+    assert guard_of_a.compute(fleet_view()) == CapacityWeightPolicy().compute(fleet_view())
+    assert controller.guard.compute(fleet_view()) == CapacityWeightPolicy().compute(fleet_view())
 
 
 def test_the_controller_contains_a_raising_user_policy_and_counts_it() -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView
-from control_plane.policy_loading import describe_weight_policies, make_weight_policy
+from control_plane.policy import EndpointView, FleetView
+from control_plane.policy_registry import WeightPolicyRegistry, make_weight_policy
+from control_plane.weight_policies import CapacityWeightPolicy
 from examples.policies.canary import CanaryParams, CanaryWeightPolicy
 from examples.policies.sticky_session import StickySessionParams, StickySessionPolicy
 from ext_proc.policies import LeastCompletionTime
@@ -271,7 +272,7 @@ def test_entry_point_errors_are_clear(entry_points: str) -> None:
 
 
 def test_descriptions_list_builtins_and_entry_points_with_schemas(entry_points: str) -> None:
-    weight = {d["name"]: d for d in describe_weight_policies()}
+    weight = {d["name"]: d for d in WeightPolicyRegistry().describe()}
     assert list(weight)[:2] == ["capacity", "equal"]
     assert weight["capacity"]["source"] == "builtin"
     assert weight["capacity"]["params_schema"]["additionalProperties"] is False
@@ -304,7 +305,7 @@ def test_loading_keeps_the_services_apart() -> None:
     """The control plane may import a pick policy's module (to describe it) without importing ext_proc."""
     code = textwrap.dedent(f"""
         import sys
-        import control_plane.policy_loading, control_plane.controller
+        import control_plane.policy_registry, control_plane.controller
         from inferlb_runtime import plugins
         allow = plugins.PolicyAllowlist(("examples",))
         plugins.describe("pick", {STICKY!r}, plugins.resolve("pick", {STICKY!r}, allow)[0], "spec")

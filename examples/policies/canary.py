@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from control_plane.model import MAX_WEIGHT, MIN_WEIGHT, Health
-from control_plane.policy import CapacityWeightPolicy, EndpointView, FleetView, clamp_weight
+from control_plane.policy import EndpointView, FleetView
+from control_plane.weight_policies import CapacityWeightPolicy, clamp_weight
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 from control_plane.model import DEFAULT_WEIGHT, Health, Telemetry
 from control_plane.policy import EndpointView, FleetView, WeightPolicy
-from control_plane.policy_loading import make_weight_policy
+from control_plane.policy_registry import make_weight_policy
 from control_plane.telemetry import HistogramSample, Sample, smooth, window
 
 from .fleet import SimFleet
