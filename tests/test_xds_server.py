@@ -30,7 +30,9 @@ from control_plane.controller import Controller
 from control_plane.model import Endpoint, FleetState, Health, Telemetry
 from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, PUSH_ORDER, ROUTE
 from control_plane.xds import ClientStatus, Snapshot, SnapshotCache, TypeStatus, serve_xds, stop_xds
-from control_plane.xds.server import XdsServerSettings, encode_delta_response, encode_sotw_response
+from control_plane.xds.delta import encode_delta_response
+from control_plane.xds.server import XdsServerSettings
+from control_plane.xds.sotw import encode_sotw_response
 from control_plane.xds.snapshot import Encoded
 from tests.conftest import free_port
 from tests.xds_client import DeltaClient, Received, SotwClient

@@ -1,5 +1,6 @@
 """inferlb's ADS server: snapshots (what to serve), a cache per node group
-(who gets which), and the protocol (when and how it goes out).
+(who gets which), and the protocol (when and how it goes out: ``protocol``,
+shared by ``sotw`` and ``delta``; ``server`` admits the streams and serves them).
 
 Wiring, in the control plane::
 
