@@ -170,12 +170,9 @@ def weight_policy_catalogue() -> list[AvailablePolicy]:
 
 
 def pick_policy_catalogue() -> list[AvailablePolicy]:
-    """ext_proc's built-ins (from the control plane's own catalogue) plus entry-point pick policies."""
-    builtin = [AvailablePolicy(name=p.name, summary=p.summary, params_schema=p.schema())
-               for p in sorted(pick_catalogue.CATALOGUE.values(), key=lambda p: p.name)]
-    known = {p.name for p in builtin}
-    return builtin + [AvailablePolicy(name=d["name"], summary=d["summary"], params_schema=d["params_schema"])
-                      for d in plugins.describe_entry_points("pick") if d["name"] not in known]
+    """ext_proc's named policies (pick chains; their ``admit``/``filters``/``scorers`` params add plugins)."""
+    return [AvailablePolicy(name=p.name, summary=p.summary, params_schema=p.schema())
+            for p in sorted(pick_catalogue.CATALOGUE.values(), key=lambda p: p.name)]
 
 
 def _validation_detail(exc: ValidationError | RequestValidationError) -> list[dict[str, Any]]:
@@ -401,9 +398,8 @@ class AdminService:
                 params = pick_catalogue.validate_pick_params(update.pick.name, update.pick.params, allow)
             except pick_catalogue.UnknownPickPolicy as exc:
                 raise ApiError(400, "unknown_policy", str(exc), available_policies("pick", allow)) from None
-            except ValidationError as exc:
-                raise ApiError(422, "invalid_params", f"bad parameters for pick policy {update.pick.name!r}",
-                               _validation_detail(exc)) from None
+            except pick_catalogue.BadPickParams as exc:
+                raise ApiError(422, "invalid_params", str(exc)) from None
             pick = PickPolicySpec(update.pick.name, params)
             stored["pick"] = StoredPolicy(pick.name, params)
         async with self._lock:
@@ -479,10 +475,13 @@ def build_weight_policy(name: str, params: Mapping[str, Any], allow: PolicyAllow
         raise ApiError(400, "unknown_policy", str(exc), available_policies("weight", allow)) from None
 
 
-def available_policies(kind: plugins.Kind, allow: PolicyAllowlist) -> dict[str, Any]:
-    """The ``detail`` of an unknown or refused policy name: what may be named instead."""
+def available_policies(kind: str, allow: PolicyAllowlist) -> dict[str, Any]:
+    """The ``detail`` of an unknown or refused policy name (``kind`` "weight" or "pick"): what may be named
+    instead (for a pick chain, the entry points are its installed plugins)."""
     builtins = builtin_weight_policies() if kind == "weight" else pick_catalogue.CATALOGUE
-    return {"available": sorted(builtins), "entry_points": sorted(plugins.entry_point_objects(kind)),
+    steps: tuple[plugins.Kind, ...] = ("weight",) if kind == "weight" else ("admit", "filter", "scorer")
+    entry_points = sorted(name for step in steps for name in plugins.entry_point_objects(step))
+    return {"available": sorted(builtins), "entry_points": entry_points,
             "allowed_module_prefixes": list(allow.module_prefixes)}
 
 

@@ -53,7 +53,6 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from inferlb_runtime.hostport import id_of_authority
 from inferlb_runtime.plugins import PolicyAllowlist
 
 from . import wire
@@ -67,11 +66,6 @@ from .wire import PREDICTED_HEADER, PROCESS_METHOD, SERVICE_NAME, TOKENS_HEADER
 from .xds_client import FleetView, PickPolicySpec, ViewSource
 
 log = logging.getLogger("inferlb.ext_proc")
-
-# Envoy's attribute for the host that actually served (after retries), if the filter asks for it.
-UPSTREAM_ATTRIBUTE = "upstream.address"
-EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
-
 
 @dataclass(frozen=True)
 class ServiceSettings:
@@ -304,7 +298,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if stream.pick is None:
             return wire.CONTINUE_RESPONSE_HEADERS
         headers = wire.response_headers_of(request.response_headers)
-        served_by = self._upstream(request) or stream.pick
+        served_by = wire.served_by(request) or stream.pick
         status = headers.get(":status", "")
         self.metrics.count("responses", f"{status[:1]}xx" if status else "unknown")
         if status.startswith("2"):
@@ -314,22 +308,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if not self.settings.response_headers:
             return wire.CONTINUE_RESPONSE_HEADERS
         return wire.response_headers_answer(served_by, stream.tokens, stream.predicted_s)
-
-    @staticmethod
-    def _upstream(request: pb.ProcessingRequest) -> str | None:
-        """The id of the host that answered, if Envoy sends the ``upstream.address`` attribute (after a
-        retry it is not the primary pick). Envoy writes ``[ip]:port`` for IPv6; the fleet view's ids do not
-        bracket, so the attribute is mapped to the id (else an IPv6 worker's responses would teach nothing)."""
-        attributes = request.attributes.get(EXT_PROC_ATTRIBUTES_KEY)
-        if attributes is None:
-            return None
-        value = attributes.fields.get(UPSTREAM_ATTRIBUTE)
-        if value is None or not value.string_value:
-            return None
-        try:
-            return id_of_authority(value.string_value)
-        except ValueError:  # not ip:port (a pipe, an internal address): fall back to the pick
-            return None
 
     def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str]) -> None:
         """Teach the router what the worker's answer says (its compute time and load report)."""

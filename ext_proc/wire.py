@@ -24,6 +24,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from inferlb_runtime.hostport import id_of_authority
+
 from .cost import parse_orca, parse_server_timing, service_seconds
 from .costing import ORCA_INFLIGHT_KEY
 from .model import Reply
@@ -349,3 +351,19 @@ def read_response(headers: Mapping[str, str]) -> Learned:
             learned.seconds = seconds
     learned.unparsed = tuple(unparsed)
     return learned
+
+
+def served_by(request: pb.ProcessingRequest) -> str | None:
+    """The id of the host that answered, if Envoy sends the ``upstream.address`` attribute (after a retry
+    it is not the primary pick). Envoy writes ``[ip]:port`` for IPv6; the fleet view's ids do not bracket,
+    so the attribute is mapped to the id (else an IPv6 worker's responses would teach nothing)."""
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES_KEY)
+    if attributes is None:
+        return None
+    value = attributes.fields.get(UPSTREAM_ATTRIBUTE)
+    if value is None or not value.string_value:
+        return None
+    try:
+        return id_of_authority(value.string_value)
+    except ValueError:  # not ip:port (a pipe, an internal address): fall back to the pick
+        return None

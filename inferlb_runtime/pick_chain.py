@@ -288,9 +288,9 @@ def chain_spec(name: str, params: Mapping[str, Any] | None = None,
     """
     preset = PRESETS.get(name) if isinstance(name, str) else None
     if preset is None:
-        raise plugins.PolicyNotFound(f"unknown pick policy {name!r}; built in: {', '.join(sorted(PRESETS))} "
-                                     "(add your own filters and scorers with their 'filters' and 'scorers' "
-                                     "params)")
+        why = "is not allowed: a pick policy is one of the built-in chains" if plugins.is_spec(name) else "is unknown"
+        raise plugins.PolicyNotFound(f"pick policy {name!r} {why}; allowed: built in {', '.join(sorted(PRESETS))} "
+                                     "(add your own plugins with their 'admit', 'filters' and 'scorers' params)")
     if params is not None and not isinstance(params, Mapping):
         raise plugins.BadPolicyParams(f"pick policy {name!r}: params must be an object, got {type(params).__name__}")
     own = {k: v for k, v in (params or {}).items() if k not in EXTRA_STEPS}

@@ -405,19 +405,25 @@ def test_policy_listing_switching_and_validation(stack: tuple[ControlPlane, SimW
 
 
 def test_the_control_plane_catalogue_matches_ext_procs_pick_policies() -> None:
-    """The catalogue mirrors ext_proc/policies.py (tests may import both services; services may not)."""
+    """The control plane validates with the definitions ext_proc builds from (tests may import both services;
+    services may not): whatever the catalogue accepts, ext_proc builds."""
     import dataclasses
 
-    from ext_proc.policies import builtin_pick_policies
+    from ext_proc.registry import PluginRegistry
+    from inferlb_runtime.pick_chain import PRESETS
 
-    builtin = builtin_pick_policies()
-    assert set(pick_catalogue.CATALOGUE) == set(builtin)
-    for name, spec in builtin.items():
-        defaults = {f.name: f.default for f in dataclasses.fields(spec.params)}
+    registry = PluginRegistry()
+    assert set(pick_catalogue.CATALOGUE) == set(PRESETS)
+    for name, preset in PRESETS.items():
+        defaults = {f.name: f.default for f in dataclasses.fields(preset.params)}
         assert pick_catalogue.CATALOGUE[name].defaults() == defaults, name
-        assert pick_catalogue.CATALOGUE[name].summary == spec.summary
-        # whatever the catalogue accepts, ext_proc accepts
-        spec.create(pick_catalogue.validate_pick_params(name, defaults))
+        assert pick_catalogue.CATALOGUE[name].summary == preset.summary
+        assert registry.build(name, pick_catalogue.validate_pick_params(name, defaults)).policy == name
+    extra = {"scorers": [{"plugin": "outstanding_tokens", "weight": 0.5}], "filters": [{"plugin": "rotate"}]}
+    chain = registry.build("least_completion_time", pick_catalogue.validate_pick_params("least_completion_time",
+                                                                                        extra))
+    assert [type(p).__name__ for p in chain.plugins] == ["Rotate", "CompletionTime", "OutstandingTokens",
+                                                         "MaxScore"]
 
 
 # --- xDS clients ----------------------------------------------------------------------------------------

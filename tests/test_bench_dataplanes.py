@@ -248,11 +248,11 @@ def test_plan_configurations_adds_slowdown_and_pick_policies() -> None:
 
 
 def test_default_pick_policies_are_the_builtins_but_the_default() -> None:
-    from ext_proc.policies import DEFAULT_PICK_POLICY, builtin_pick_policies
+    from inferlb_runtime.pick_chain import DEFAULT_PICK_POLICY, PRESETS
 
     names = [p.configuration for p in plan_configurations(Scenario())]
     picks = sorted(n.split(":", 1)[1] for n in names if n.startswith("inferlb_pick:"))
-    assert picks == sorted(set(builtin_pick_policies()) - {DEFAULT_PICK_POLICY})
+    assert picks == sorted(set(PRESETS) - {DEFAULT_PICK_POLICY})
 
 
 # --- capacity ------------------------------------------------------------------------------------

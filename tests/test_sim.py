@@ -223,7 +223,7 @@ def test_simulated_replicas_each_pick_only_in_their_partition_of_a_large_fleet()
     ids = tuple(f"127.0.0.1:{8101 + i}" for i in range(256))
     position = {e: i for i, e in enumerate(sorted(ids))}
     balancer = ExtProcBalancer(SimFleet(Fleet(workers=workers)), random.Random(1), ids, 4, lambda: 0.0)
-    assert [r.picker.partition for r in balancer.replicas] == [(i, 4) for i in range(4)]
+    assert [r.router.partition.partition for r in balancer.replicas] == [(i, 4) for i in range(4)]
     for request in range(400):
         worker = balancer.pick(request, 16, 0.0)
         replica = balancer.replicas.index(balancer._who[request][0])
