@@ -25,6 +25,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from inferlb_runtime.hostport import id_of_authority
+from inferlb_runtime.protowire import len_field, varint
 
 from .cost import parse_orca, parse_server_timing, service_seconds
 from .costing import ORCA_INFLIGHT_KEY
@@ -47,34 +48,16 @@ _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 # --- protobuf wire format, for the answers built per request ---------------------------------------
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_SHORT = [bytes((n,)) for n in range(128)]  # one-byte lengths, the common case
-
-
-def _ld(tag: bytes, payload: bytes) -> bytes:
-    """A length-delimited field (sub-message, string, bytes)."""
-    n = len(payload)
-    return tag + (_SHORT[n] if n < 128 else _varint(n)) + payload
-
-
 def _tag(message: Any, field: str) -> bytes:
     """The key of a length-delimited field, from the descriptor (never a hand-copied number)."""
-    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+    return varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
 
 
 _T_HEADER = _tag(base_pb2.HeaderValueOption, "header")
 _T_KEY = _tag(base_pb2.HeaderValue, "key")
 _T_RAW_VALUE = _tag(base_pb2.HeaderValue, "raw_value")
-_APPEND_ACTION = (_varint(base_pb2.HeaderValueOption.DESCRIPTOR.fields_by_name["append_action"].number << 3)
-                  + _varint(_OVERWRITE))
+_APPEND_ACTION = (varint(base_pb2.HeaderValueOption.DESCRIPTOR.fields_by_name["append_action"].number << 3)
+                  + varint(_OVERWRITE))
 _T_SET_HEADERS = _tag(pb.HeaderMutation, "set_headers")
 _T_HEADER_MUTATION = _tag(pb.CommonResponse, "header_mutation")
 _T_COMMON = _tag(pb.BodyResponse, "response")
@@ -87,26 +70,25 @@ _T_DYNAMIC_METADATA = _tag(pb.ProcessingResponse, "dynamic_metadata")
 
 def option_prefix(key: str) -> bytes:
     """Everything of a ``set_headers`` entry's HeaderValue before its value's length."""
-    return _T_KEY + _varint(len(key.encode())) + key.encode() + _T_RAW_VALUE
+    return _T_KEY + varint(len(key.encode())) + key.encode() + _T_RAW_VALUE
 
 
 def option(prefix: bytes, value: bytes) -> bytes:
     """One ``set_headers`` entry (OVERWRITE_IF_EXISTS_OR_ADD) from :func:`option_prefix` and the value."""
-    n = len(value)
-    header = prefix + (_SHORT[n] if n < 128 else _varint(n)) + value
-    return _ld(_T_SET_HEADERS, _ld(_T_HEADER, header) + _APPEND_ACTION)
+    header = prefix + varint(len(value)) + value
+    return len_field(_T_SET_HEADERS, len_field(_T_HEADER, header) + _APPEND_ACTION)
 
 
 def phase(tag: bytes, set_headers: bytes) -> bytes:
     """A ProcessingResponse answering one phase (``tag``) with these ``set_headers`` entries."""
-    return _ld(tag, _ld(_T_COMMON, _ld(_T_HEADER_MUTATION, set_headers)))
+    return len_field(tag, len_field(_T_COMMON, len_field(_T_HEADER_MUTATION, set_headers)))
 
 
 def metadata(namespace: str, key: str, value: str) -> bytes:
     """``dynamic_metadata`` {namespace: {key: value}}, serialised by protobuf itself (cached per pick)."""
     struct = struct_pb2.Struct()
     struct.fields[namespace].struct_value.fields[key].string_value = value
-    return _ld(_T_DYNAMIC_METADATA, struct.SerializeToString())
+    return len_field(_T_DYNAMIC_METADATA, struct.SerializeToString())
 
 
 P_TOKENS = option_prefix(TOKENS_HEADER)
@@ -223,7 +205,7 @@ NO_ENDPOINT_BODY = error_body(
 
 def immediate(status: int, body: bytes, details: str, *headers: tuple[str, str]) -> bytes:
     """An ImmediateResponse with a JSON body. ``details`` (Envoy's response code details) starts with
-    ``inferlb_``: the listener's local-reply mappers leave such replies as they are (control_plane/resources.py)."""
+    ``inferlb_``: the listener's local-reply mappers leave such replies as they are (control_plane/resources/local_reply.py)."""
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
         headers=pb.HeaderMutation(set_headers=[set_header("content-type", "application/json"),

@@ -14,10 +14,11 @@ alternative name. Without them the rendering is what it always was: plaintext.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from pathlib import Path, PurePosixPath
 from string import Template
+
+from inferlb_runtime.hostport import is_ip
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
 XDS_TLS_TEMPLATE = DEFAULT_TEMPLATE.parent / "bootstrap-xds-tls.yaml"
@@ -36,16 +37,8 @@ def _text(name: str, value: str) -> str:
     return json.dumps(value)
 
 
-def _is_ip(address: str) -> bool:
-    try:
-        ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return True
-
-
 def _cluster_type(address: str) -> str:
-    return "STATIC" if _is_ip(address) else "STRICT_DNS"  # STRICT_DNS: a host name, e.g. a Compose service
+    return "STATIC" if is_ip(address) else "STRICT_DNS"  # STRICT_DNS: a host name, e.g. a Compose service
 
 
 def _absolute(name: str, value: str) -> str:
@@ -66,8 +59,8 @@ def _transport_socket(cert: str | None, key: str | None, ca: str | None, server_
         tls_cert=_absolute("xds_tls_cert", cert),  # type: ignore[arg-type]
         tls_key=_absolute("xds_tls_key", key),  # type: ignore[arg-type]
         tls_ca=_absolute("xds_tls_ca", ca),  # type: ignore[arg-type]
-        sni=_text("xds_tls_server_name", server_name) if not _is_ip(server_name) else '""',
-        san_type="IP_ADDRESS" if _is_ip(server_name) else "DNS",
+        sni=_text("xds_tls_server_name", server_name) if not is_ip(server_name) else '""',
+        san_type="IP_ADDRESS" if is_ip(server_name) else "DNS",
         server_name=_text("xds_tls_server_name", server_name),
     )
     return "\n" + block.rstrip("\n")

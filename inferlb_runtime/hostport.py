@@ -49,3 +49,12 @@ def peer_address(peer: str) -> str | None:
         return id_of_authority(rest).rpartition(":")[0]
     except ValueError:
         return None
+
+
+def is_ip(address: str) -> bool:
+    """Whether ``address`` is an IP literal (v4 or v6), not a host name."""
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True

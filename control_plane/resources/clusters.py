@@ -8,8 +8,6 @@ ext_proc cluster is HTTP/2 with keepalive PINGs, as every in-flight request hold
 
 from __future__ import annotations
 
-import ipaddress
-
 from google.protobuf import wrappers_pb2
 from google.protobuf.message import Message
 
@@ -23,6 +21,8 @@ from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from envoy.type.metadata.v3 import metadata_pb2
 from envoy.type.v3 import percent_pb2
 
+from inferlb_runtime.hostport import is_ip
+
 from ..model import DataPlaneSettings
 from .messages import ads, duration, pack, socket_address, u32
 
@@ -33,14 +33,6 @@ LEAST_REQUEST_POLICY = "envoy.load_balancing_policies.least_request"
 # HTTP/2 PINGs on the long-lived ext_proc connection find a dead peer quickly.
 H2_KEEPALIVE_INTERVAL_S = 15.0
 H2_KEEPALIVE_TIMEOUT_S = 5.0
-
-
-def _is_ip(address: str) -> bool:
-    try:
-        ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return True
 
 
 def _policy(name: str, config: Message) -> cluster_pb2.LoadBalancingPolicy:
@@ -134,7 +126,7 @@ def build_workers_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
 def build_ext_proc_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
     """The gRPC (HTTP/2) cluster the ext_proc filter calls; one stream per HTTP request."""
     ext = settings.ext_proc
-    static = _is_ip(ext.address)
+    static = is_ip(ext.address)
     h2 = protocol_pb2.Http2ProtocolOptions(connection_keepalive=protocol_pb2.KeepaliveSettings(
         interval=duration(H2_KEEPALIVE_INTERVAL_S), timeout=duration(H2_KEEPALIVE_TIMEOUT_S),
     ))

@@ -49,15 +49,15 @@ from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 
 from ..model import MAX_WEIGHT, Endpoint, FleetState, Health, Telemetry
 from .messages import socket_address, u32
+from inferlb_runtime.protowire import len_field, varint
+
 from .struct_wire import (
     CACHE_SIZE,
     FIXED64,
     encode_struct,
-    len_field,
     map_key,
     number_entry_prefix,
     struct_entry,
-    varint,
 )
 
 METADATA_NAMESPACE = "inferlb"

@@ -16,24 +16,12 @@ import functools
 import struct
 from collections.abc import Mapping, Sequence
 
+from inferlb_runtime.protowire import len_field, varint
+
 # Enough for two or three generations of a 10,000-endpoint fleet.
 CACHE_SIZE = 1 << 15
 
 
-def varint(value: int) -> bytes:
-    if value < 0x80:
-        return bytes((value,))
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def len_field(tag: bytes, payload: bytes) -> bytes:
-    """A length-delimited field: ``tag`` (one byte: field number < 16, wire type 2), length, payload."""
-    return b"".join((tag, varint(len(payload)), payload))
 
 
 # Struct / Value / ListValue (google/protobuf/struct.proto), canonical encoding.
