@@ -1,7 +1,7 @@
 """Which ext_proc replicas carry traffic, so a large fleet is partitioned among those only.
 
 Each replica picks from its own partition of a large fleet (``ext_proc``'s
-``Picker.set_partition``; the control plane lists the replicas in EDS). A
+``Router.set_partition``; the control plane lists the replicas in EDS). A
 replica that is connected but gets no requests (Envoy sends it none, or it
 is wedged) would keep its partition, and part of the fleet would be pickable
 only by a replica that picks nothing. So every scrape interval the control

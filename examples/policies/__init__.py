@@ -1,6 +1,6 @@
 """Example routing policies, loadable by ``module:attribute``:
 
-* ``examples.policies.sticky_session:StickySessionPolicy`` (a pick policy, ext_proc):
+* ``examples.policies.sticky_session:SessionAffinity`` (a scorer of ext_proc's pick chain):
   the same ``x-session-id`` to the same worker, with bounded load.
 * ``examples.policies.canary:CanaryWeightPolicy`` (a weight policy, control plane):
   one canary worker at a fixed share of the traffic.

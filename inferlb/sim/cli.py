@@ -7,7 +7,7 @@ import argparse
 DESCRIPTION = """\
 Discrete-event simulation of the data planes the bench compares, on a simulated fleet: no servers, no
 sleeps. It replays the bench's own trace for each load and runs the product's real pick and weight
-policies (ext_proc's Picker, CostModel and Outstanding; the control plane's telemetry smoothing and
+policies (ext_proc's Router: its pick chain, CostModel and Outstanding; the control plane's telemetry smoothing and
 WeightPolicy) on a simulated clock, over 1 to 10,000+ workers. Prints the comparison table and writes
 the RunResults as JSON. --validate compares it with a live `inferlb bench run` results.json."""
 
