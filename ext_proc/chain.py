@@ -5,7 +5,8 @@
 Built by the registry (``registry.py``) from a policy's configuration
 (``inferlb_runtime/pick_chain.py``); run by the router (``routing.py``),
 which owns what outlives a policy switch (the cost model, the outstanding
-ledger, the head filters ``routable`` and ``partition``).
+ledger, and the head filters ``routable`` and ``partition`` that every chain
+starts with: the router runs them once per EDS view and hands their result in).
 
 The steps are plain lists read top to bottom, so a decision reads as the
 configuration does. The cost of a decision is the filters' (built-ins cache
@@ -41,14 +42,17 @@ class PickChain:
         """Every plugin of the chain, in order (for the guard's observer and for describing it)."""
         return (*self.admit, *self.filters, *(s for s, _ in self.scorers), self.picker)
 
-    def decide(self, request: RequestView, fleet: Sequence[EndpointView], costing: Costing) -> Decision | Reply | None:
+    def decide(self, request: RequestView, fleet: Sequence[EndpointView], pool: Sequence[EndpointView],
+               costing: Costing) -> Decision | Reply | None:
         """A ranked pick, an admit plugin's reply, or None (nothing routable or nothing ranked: the caller
-        fails open to Envoy's weighted fallback, or answers 503 when nothing is routable)."""
+        fails open to Envoy's weighted fallback, or answers 503 when nothing is routable). ``pool`` is what
+        the head filters (routable, partition: the router's, run once per view) left of ``fleet``."""
         for step in self.admit:
             reply = step.admit(request, fleet)
             if reply is not None:
                 return reply
-        pool = fleet
+        if not pool:
+            return None
         for f in self.filters:
             pool = f.filter(request, pool)
             if not pool:
@@ -61,25 +65,22 @@ class PickChain:
         candidates = costing.candidates(request, pool)
         if not candidates:
             return None
-        ranked = self.picker.pick(request, candidates, self._scores(request, candidates))
+        single = self._single  # the common case, one scorer of weight 1: its scores are the totals
+        scores = single.score(request, candidates) if single is not None else self._totals(request, candidates)
+        ranked = self.picker.pick(request, candidates, scores)
         if not ranked:
             return None
-        primary = _find(candidates, ranked[0])
-        return Decision(tuple(ranked), primary.predicted_cost_s, self.policy, primary.predicted_completion_s,
-                        len(candidates))
+        chosen = ranked[0]
+        for primary in candidates:
+            if primary.endpoint.id == chosen:
+                return Decision(tuple(ranked), primary.predicted_cost_s, self.policy, primary.predicted_completion_s,
+                                len(candidates))
+        raise LookupError(f"the picker chose {chosen}, which is not a candidate")
 
-    def _scores(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[float]:
-        if self._single is not None:  # the common case: one scorer, weight 1
-            return self._single.score(request, candidates)
+    def _totals(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[float]:
         totals = [0.0] * len(candidates)
         for scorer, weight in self.scorers:
             for i, s in enumerate(scorer.score(request, candidates)):
                 totals[i] += weight * s
         return totals
 
-
-def _find(candidates: Sequence[Candidate], endpoint_id: str) -> Candidate:
-    for c in candidates:
-        if c.endpoint.id == endpoint_id:
-            return c
-    raise LookupError(f"the picker chose {endpoint_id}, which is not a candidate")

@@ -15,7 +15,7 @@ checking the allowlist again. User plugins run behind a guard
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from inferlb_runtime import pick_chain, plugins
@@ -23,7 +23,6 @@ from inferlb_runtime.pick_chain import BUILTIN_PLUGINS, PRESETS, ChainSpec, Plug
 
 from .chain import PickChain
 from .guard import FailureObserver, GuardedPlugin
-from .model import Filter
 from .policies import BUILTIN_CLASSES, Sampler
 
 
@@ -40,13 +39,13 @@ class PluginRegistry:
         """The validated chain of a named policy (``PolicyNotFound`` / ``BadPolicyParams``, both ValueError)."""
         return pick_chain.chain_spec(name, params, self.allow)
 
-    def build(self, name: str, params: Mapping[str, Any] | None = None, head: Sequence[Filter] = ()) -> PickChain:
-        """The chain of a named policy, its filters after ``head`` (the router's routable and partition)."""
+    def build(self, name: str, params: Mapping[str, Any] | None = None) -> PickChain:
+        """The chain of a named policy (its filters run after the router's routable and partition)."""
         spec = self.spec(name, params)
         return PickChain(
             spec.policy,
             [self._plugin("admit", ref) for ref in spec.admit],
-            [*head, *(self._plugin("filter", ref) for ref in spec.filters)],
+            [self._plugin("filter", ref) for ref in spec.filters],
             Sampler(spec.sample, random.Random(spec.sample.seed)),
             [(self._plugin("scorer", ref), ref.weight) for ref in spec.scorers],
             self._plugin("picker", spec.picker),

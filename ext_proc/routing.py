@@ -6,8 +6,9 @@ stream ends however it ends. The simulator (``inferlb/sim/ext_proc_model.py``) c
 its simulated clock, so what it measures is this code, not a copy of it.
 
 The router owns what outlives a policy switch: the cost model, the outstanding ledger, the load reports
-(``costing.py``) and the chain's head filters (``routable``, then this replica's ``partition``); the
-policy's own steps are a :class:`~ext_proc.chain.PickChain` swapped whole by :meth:`set_policy`.
+(``costing.py``) and the head filters of every chain (``routable``, then this replica's ``partition``,
+run once per EDS view); the policy's own steps are a :class:`~ext_proc.chain.PickChain` swapped whole by
+:meth:`set_policy`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class Router:
         self.routable = Routable()
         self.partition = Partition()
         self._fleet: Sequence[EndpointView] | None = None
-        self.chain: PickChain = registry.build(policy, params, head=(self.routable, self.partition))
+        self._candidates: Sequence[EndpointView] = ()  # what the head filters leave of the current view
+        self.chain: PickChain = registry.build(policy, params)
 
     @property
     def policy(self) -> str:
@@ -48,7 +50,7 @@ class Router:
     def set_policy(self, name: str, params: Mapping[str, Any] | None = None) -> None:
         """Switch to another policy's chain; the next decision uses it. ValueError (and no switch) if it
         cannot be built."""
-        self.chain = self.registry.build(name, params, head=(self.routable, self.partition))
+        self.chain = self.registry.build(name, params)
 
     def set_partition(self, index: int, count: int) -> None:
         """Our place among the ext_proc replicas (the control plane's list of them, in EDS)."""
@@ -61,16 +63,17 @@ class Router:
         (the caller counts it and fails open)."""
         if fleet is not self._fleet:
             self._new_view(request, fleet)
-        outcome = self.chain.decide(request, fleet, self.costing)
+        outcome = self.chain.decide(request, fleet, self._candidates, self.costing)
         if type(outcome) is Decision:
             self.outstanding.begin(key, outcome.ranked[0], request.tokens, outcome.predicted_s)
         return outcome
 
     def _new_view(self, request: RequestView, fleet: Sequence[EndpointView]) -> None:
+        """The head filters run once per view (their answer is the same until EDS changes)."""
         self._fleet = fleet
         self.partition.set_fleet(fleet)
-        ours = self.partition.filter(request, self.routable.filter(request, fleet))
-        self.costing.new_view(fleet, ours if self.partition.partitioned else fleet)
+        self._candidates = self.partition.filter(request, self.routable.filter(request, fleet))
+        self.costing.new_view(fleet, self._candidates if self.partition.partitioned else fleet)
 
     def learn(self, endpoint: str, tokens: int, seconds: float | None = None, predicted_s: float | None = None,
               orca: Mapping[str, float] | None = None) -> None:
