@@ -312,8 +312,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str]) -> None:
         """Teach the router what the worker's answer says (its compute time and load report)."""
         learned = wire.read_response(headers)
-        for what in learned.unparsed:
-            self.metrics.count("parse_failures", what)
+        if learned.unparsed:
+            for what in learned.unparsed:
+                self.metrics.count("parse_failures", what)
         predicted = stream.predicted_s if endpoint == stream.pick else None
         tokens = learned.tokens if learned.tokens is not None else stream.tokens
         self.router.learn(endpoint, tokens, learned.seconds, predicted, learned.orca)

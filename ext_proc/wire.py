@@ -25,7 +25,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from inferlb_runtime.hostport import id_of_authority
-from inferlb_runtime.protowire import len_field, varint
+from inferlb_runtime.protowire import ONE_BYTE, len_field, varint
 
 from .cost import parse_orca, parse_server_timing, service_seconds
 from .costing import ORCA_INFLIGHT_KEY
@@ -75,7 +75,8 @@ def option_prefix(key: str) -> bytes:
 
 def option(prefix: bytes, value: bytes) -> bytes:
     """One ``set_headers`` entry (OVERWRITE_IF_EXISTS_OR_ADD) from :func:`option_prefix` and the value."""
-    header = prefix + varint(len(value)) + value
+    n = len(value)
+    header = prefix + (ONE_BYTE[n] if n < 128 else varint(n)) + value
     return len_field(_T_SET_HEADERS, len_field(_T_HEADER, header) + _APPEND_ACTION)
 
 
@@ -291,7 +292,7 @@ def response_headers_answer(served_by: str, tokens: int, predicted_s: float) -> 
                  + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000)))
 
 
-@dataclass
+@dataclass(slots=True)
 class Learned:
     """What a worker's response headers say, for :meth:`ext_proc.routing.Router.learn`."""
 

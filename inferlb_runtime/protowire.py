@@ -8,13 +8,13 @@ and length-delimited fields.
 
 from __future__ import annotations
 
-_ONE_BYTE = [bytes((n,)) for n in range(128)]  # small values, the common case
+ONE_BYTE = [bytes((n,)) for n in range(128)]  # the varints of 0..127: most lengths, inlined on hot paths
 
 
 def varint(value: int) -> bytes:
     """A non-negative integer as a base-128 varint."""
     if value < 0x80:
-        return _ONE_BYTE[value]
+        return ONE_BYTE[value]
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -26,4 +26,4 @@ def varint(value: int) -> bytes:
 def len_field(tag: bytes, payload: bytes) -> bytes:
     """A length-delimited field (sub-message, string, bytes): its ``tag`` (key), length, payload."""
     n = len(payload)
-    return tag + (_ONE_BYTE[n] if n < 128 else varint(n)) + payload
+    return tag + (ONE_BYTE[n] if n < 128 else varint(n)) + payload
