@@ -238,7 +238,8 @@ def _user_plugin(where: str, step: Step, name: str, allow: plugins.PolicyAllowli
     """Refuse a user plugin name that could not be loaded as ``step`` (checked on the string only)."""
     if plugins.is_spec(name):
         if not allow.allows(name):
-            raise plugins.PolicyNotFound(f"{where}: plugin {name!r} is not allowed; {_allowed(step, allow)}")
+            raise plugins.PolicyNotFound(f"{where}: plugin {name!r} is not allowed: module {name.split(':', 1)[0]!r} "
+                                         f"is not under a module prefix the operator allows; {_allowed(step, allow)}")
         return
     found = plugins.entry_point_objects(step)
     if name not in found:

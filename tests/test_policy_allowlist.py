@@ -15,8 +15,15 @@ from pathlib import Path
 import pytest
 
 from control_plane.policy_registry import make_weight_policy
-from ext_proc.policy_loading import make_pick_policy
+from ext_proc.registry import PluginRegistry
 from inferlb_runtime.plugins import PolicyAllowlist, PolicyNotFound
+
+
+def make_pick_plugin(spec: str, params: dict | None = None, allow: PolicyAllowlist = PolicyAllowlist()):  # type: ignore[no-untyped-def]
+    """The pick chain's scorer ``spec``, loaded as ext_proc loads a plugin named in a policy's params."""
+    chain = PluginRegistry(allow).build("least_completion_time",
+                                        {"scorers": [{"plugin": spec, "params": params or {}}]})
+    return chain.scorers[-1][0]
 
 
 @pytest.fixture()
@@ -37,7 +44,7 @@ def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marker: Path) -> s
             def compute(self, view):
                 return {{}}
 
-            def rank(self, request, candidates):
+            def score(self, request, candidates):
                 return []
         """))
     (tmp_path / f"{name}_allowed.py").write_text(textwrap.dedent(f"""\
@@ -52,7 +59,7 @@ def packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marker: Path) -> s
             def compute(self, view):
                 return {{}}
 
-            def rank(self, request, candidates):
+            def score(self, request, candidates):
                 return []
 
 
@@ -75,14 +82,14 @@ def test_a_spec_cannot_reach_past_the_allowed_module(packages: str, marker: Path
     with pytest.raises(PolicyNotFound, match=refusal.format(p=packages)):
         make_weight_policy(spec, {"x": 1}, allow)
     with pytest.raises(PolicyNotFound, match=refusal.format(p=packages)):
-        make_pick_policy(spec, {"x": 1}, allow)
+        make_pick_plugin(spec, {"x": 1}, allow)
     assert not marker.exists()
 
 
 def test_what_the_allowed_module_defines_still_loads(packages: str, marker: Path) -> None:
     allow = PolicyAllowlist((f"{packages}_allowed",))
     assert make_weight_policy(f"{packages}_allowed:Own", {"x": 1}, allow).params == {"x": 1}
-    assert make_pick_policy(f"{packages}_allowed:ready", allow=allow).inner.rank(None, []) == []
+    assert make_pick_plugin(f"{packages}_allowed:ready", allow=allow).inner.score(None, []) == []
     # Allowing the other module too lets its class load: the operator named both.
     both = PolicyAllowlist((f"{packages}_allowed", f"{packages}_other"))
     make_weight_policy(f"{packages}_allowed:Loud", {}, both)

@@ -18,7 +18,9 @@ from .stack import ControlPlane, ExtProc, http, running_control_plane, running_e
 
 pytestmark = pytest.mark.slow
 
-STICKY = "examples.policies.sticky_session:StickySessionPolicy"
+STICKY = "examples.policies.sticky_session:SessionAffinity"
+# The sticky-session scorer added to the default chain: a pick policy that names a user plugin.
+STICKY_CHAIN = {"name": "least_completion_time", "params": {"seed": 1, "scorers": [{"plugin": STICKY}]}}
 CANARY = "examples.policies.canary:CanaryWeightPolicy"
 ALLOW_EXAMPLES = {"INFERLB_CP_ALLOWED_POLICY_MODULES": "examples.policies"}
 
@@ -73,7 +75,7 @@ def test_a_stored_policy_no_longer_allowed_is_refused_at_restart(tmp_path: Path)
     data_dir = tmp_path / "cp-data"
     with running_control_plane(tmp_path, endpoints=["127.0.0.1:9"], data_dir=data_dir, env=ALLOW_EXAMPLES) as cp:
         response = put_policy(cp, {"weight": {"name": CANARY, "params": {"endpoint": "127.0.0.1:9"}},
-                                   "pick": {"name": STICKY, "params": {"seed": 1}}})
+                                   "pick": STICKY_CHAIN})
         assert response.status_code == 200, response.text
         assert active_policy(cp)["weight"]["name"] == "canary"
     # The same store, without the allowance: both are refused (logged), the defaults run, the service is up.
@@ -91,7 +93,7 @@ def test_ext_proc_refuses_a_pick_spec_it_does_not_allow_and_keeps_its_policy(tmp
             running_ext_proc(tmp_path, xds_port=cp.xds_port, node_id="ext-proc-strict") as strict, \
             running_ext_proc(tmp_path, xds_port=cp.xds_port, node_id="ext-proc-allowing",
                              env={"INFERLB_EXT_PROC_ALLOWED_POLICY_MODULES": "examples.policies"}) as allowing:
-        response = put_policy(cp, {"pick": {"name": STICKY, "params": {"seed": 1}}})
+        response = put_policy(cp, {"pick": STICKY_CHAIN})
         assert response.status_code == 200, response.text
 
         def switches(ext_proc: ExtProc, result: str) -> float:
