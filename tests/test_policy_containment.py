@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from random import Random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,11 +25,14 @@ from control_plane.weight_policies import CapacityWeightPolicy
 from control_plane.xds import SnapshotCache
 from ext_proc.cost import CostModel
 from ext_proc.metrics import ExtProcMetrics
-from ext_proc.model import Candidate, EndpointInfo, RequestView
-from ext_proc.outstanding import Outstanding
-from ext_proc.picker import Picker
-from ext_proc.policies import LeastCompletionTime, LeastCompletionTimeParams
-from ext_proc.policy_loading import ContainedPickPolicy
+from ext_proc.chain import PickChain
+from ext_proc.guard import GuardedPlugin
+from ext_proc.model import Candidate, Decision, RequestView
+from ext_proc.model import EndpointView as PickEndpoint  # one endpoint as ext_proc sees it
+from ext_proc.policies import Sampler
+from ext_proc.registry import PluginRegistry
+from ext_proc.routing import Router
+from inferlb_runtime.pick_chain import SampleParams
 from tests.stack import prometheus_samples, sample
 
 
@@ -246,11 +250,13 @@ def test_a_user_weight_policy_from_a_spec_runs_contained_in_the_controller() -> 
                                                                              "127.0.0.1:9002": 25}
 
 
-# --- pick policies --------------------------------------------------------------------------------
+# --- pick-chain plugins ---------------------------------------------------------------------------
+# A user plugin runs behind ext_proc's guard (ext_proc/guard.py): when it fails, the rest of the chain (the
+# default completion-time scorer) decides that request.
 
 
-def endpoint(i: int, weight: int = 100) -> EndpointInfo:
-    return EndpointInfo(id=f"10.0.0.{i}:8000", address=f"10.0.0.{i}", port=8000, weight=weight)
+def endpoint(i: int, weight: int = 100) -> PickEndpoint:
+    return PickEndpoint(id=f"10.0.0.{i}:8000", address=f"10.0.0.{i}", port=8000, weight=weight)
 
 
 FLEET = tuple(endpoint(i) for i in range(1, 5))
@@ -258,7 +264,7 @@ REQUEST = RequestView(tokens=16, estimated=False, model=None, inputs=1, headers=
 
 
 class ScriptedPick:
-    """A pick policy whose ranking (or exception, or time) the test chooses."""
+    """A user scorer whose scores (or exception, or time) the test chooses."""
 
     name = "scripted_pick"
 
@@ -266,30 +272,50 @@ class ScriptedPick:
                  cost_s: float = 0.0) -> None:
         self.answer, self.timer, self.cost_s, self.calls = answer, timer, cost_s, 0
 
-    def rank(self, request: RequestView, candidates: Sequence[Candidate]) -> Any:
+    def score(self, request: RequestView, candidates: Sequence[Candidate]) -> Any:
         self.calls += 1
         if self.timer is not None:
             self.timer.advance(self.cost_s)
         return self.answer(candidates)
 
 
-def contained(policy: Any, **kwargs: Any) -> tuple[ContainedPickPolicy, Picker, Recorder, FakeClock]:
+class Picking:
+    """A router whose chain is the default plus one guarded user plugin (a scorer weighted 100, so that it
+    decides while it works, or a filter)."""
+
+    def __init__(self, plugin: Any, step: str, observer: Any, clock: FakeClock, **guard: Any) -> None:
+        self.guarded = GuardedPlugin(plugin, step, observer=observer, clock=clock, **guard)
+        self.router = Router(PluginRegistry(), "least_completion_time", {"seed": 1})
+        chain = self.router.chain
+        filters = (*chain.filters, self.guarded) if step == "filter" else chain.filters
+        scorers = (*chain.scorers, (self.guarded, 100.0)) if step == "scorer" else chain.scorers
+        self.router.chain = PickChain(chain.policy, chain.admit, filters, Sampler(SampleParams(d=0), Random(1)),
+                                      scorers, chain.picker)
+        self.outstanding = self.router.outstanding
+        self._keys = iter(range(10**9))
+
+    def decide(self, request: RequestView, fleet: Sequence[PickEndpoint]) -> Decision | None:
+        key = next(self._keys)
+        decision = self.router.decide(key, request, fleet)
+        self.router.release(key)
+        return decision  # type: ignore[return-value]
+
+
+def contained(policy: Any, step: str = "scorer", **kwargs: Any) -> tuple[GuardedPlugin, Picking, Recorder, FakeClock]:
     clock, recorder = FakeClock(), Recorder()
-    wrapper = ContainedPickPolicy(policy, default=LeastCompletionTime(LeastCompletionTimeParams(seed=1)),
-                                  observer=recorder, clock=clock, **kwargs)
-    picker = Picker(wrapper, CostModel(), Outstanding())
-    return wrapper, picker, recorder, clock
+    picker = Picking(policy, step, recorder, clock, **kwargs)
+    return picker.guarded, picker, recorder, clock
 
 
-def last(candidates: Sequence[Candidate]) -> list[str]:
-    return [candidates[-1].endpoint.id]
+def last(candidates: Sequence[Candidate]) -> list[float]:
+    return [1.0 if c is candidates[-1] else 0.0 for c in candidates]
 
 
 def test_a_working_pick_policy_decides() -> None:
     wrapper, picker, recorder, _ = contained(ScriptedPick(last))
     decision = picker.decide(REQUEST, FLEET)
-    assert decision is not None and decision.ranked == (FLEET[-1].id,) and decision.policy == "scripted_pick"
-    assert recorder.failures == [] and wrapper.decisions_by_default == 0
+    assert decision is not None and decision.primary == FLEET[-1].id and decision.policy == "least_completion_time"
+    assert recorder.failures == [] and wrapper.failures == {}
 
 
 def boom(candidates: Sequence[Candidate]) -> Any:
@@ -299,12 +325,12 @@ def boom(candidates: Sequence[Candidate]) -> Any:
 @pytest.mark.parametrize("answer, reason", [
     (boom, "error"),
     (lambda c: None, "bad_type"),
-    (lambda c: c[0].endpoint.id, "bad_type"),  # a string is not a list of ids
-    (lambda c: [42], "bad_type"),
-    (lambda c: [c[0].endpoint], "bad_type"),
-    (lambda c: ["10.9.9.9:8000"], "unknown_endpoint"),
-    (lambda c: [c[0].endpoint.id, "10.9.9.9:8000"], "unknown_endpoint"),
-    (lambda c: [], "empty"),
+    (lambda c: c[0].endpoint.id, "bad_type"),  # a string is not a list of scores
+    (lambda c: [42] * len(c), "bad_type"),  # not in [0, 1]
+    (lambda c: [c[0].endpoint] * len(c), "bad_type"),
+    (lambda c: [math.nan] * len(c), "bad_type"),
+    (lambda c: [1.0], "bad_type"),  # not one per candidate
+    (lambda c: [], "bad_type"),
 ])
 def test_a_failing_pick_policy_gets_the_default_decision(answer: Callable[..., Any], reason: str) -> None:
     wrapper, picker, recorder, _ = contained(ScriptedPick(answer))
@@ -312,15 +338,20 @@ def test_a_failing_pick_policy_gets_the_default_decision(answer: Callable[..., A
     decision = picker.decide(REQUEST, FLEET)
     assert decision is not None and decision.primary != FLEET[0].id
     assert len(decision.ranked) == 3 and set(decision.ranked) <= {e.id for e in FLEET}
-    assert recorder.failures == [("scripted_pick", reason)] and wrapper.decisions_by_default == 1
+    assert recorder.failures == [("scripted_pick", reason)] and wrapper.failures == {reason: 1}
 
 
-class SamplingPick(ScriptedPick):
-    def __init__(self, sample: Callable[[Sequence[EndpointInfo]], Any]) -> None:
-        super().__init__(lambda c: [x.endpoint.id for x in c])
+class SamplingPick:
+    """A user filter whose answer the test chooses."""
+
+    name = "scripted_pick"
+
+    def __init__(self, sample: Callable[[Sequence[PickEndpoint]], Any]) -> None:
         self._sample = sample
+        self.calls = 0
 
-    def sample(self, request: RequestView, endpoints: Sequence[EndpointInfo]) -> Any:
+    def filter(self, request: RequestView, endpoints: Sequence[PickEndpoint]) -> Any:
+        self.calls += 1
         return self._sample(endpoints)
 
 
@@ -333,15 +364,14 @@ class SamplingPick(ScriptedPick):
 ])
 def test_a_failing_sample_gets_the_default_decision(sample_answer: Callable[..., Any], reason: str) -> None:
     policy = SamplingPick(sample_answer)
-    _wrapper, picker, recorder, _ = contained(policy)
+    _wrapper, picker, recorder, _ = contained(policy, "filter")
     decision = picker.decide(REQUEST, FLEET)
-    assert decision is not None and set(decision.ranked) <= {e.id for e in FLEET}
+    assert decision is not None and set(decision.ranked) <= {e.id for e in FLEET} and len(decision.ranked) == 3
     assert recorder.failures == [("scripted_pick", reason)]
-    assert policy.calls == 0  # the default ranked this decision
-    # The next decision is the policy's again.
+    # The next decision is the filter's again.
     policy._sample = lambda e: e[:2]
     decision = picker.decide(REQUEST, FLEET)
-    assert decision is not None and decision.ranked == (FLEET[0].id, FLEET[1].id) and policy.calls == 1
+    assert decision is not None and set(decision.ranked) == {FLEET[0].id, FLEET[1].id} and policy.calls == 2
 
 
 def test_a_slow_pick_policy_is_counted_then_suspended_for_a_cooldown() -> None:
@@ -349,21 +379,21 @@ def test_a_slow_pick_policy_is_counted_then_suspended_for_a_cooldown() -> None:
     policy = ScriptedPick(last, timer, cost_s=0.005)
     wrapper, picker, recorder, clock = contained(policy, timer=timer, budget_s=0.002, max_consecutive=5,
                                                  cooldown_s=30.0)
-    for _ in range(4):  # slow, but its picks are valid: used, counted
-        assert picker.decide(REQUEST, FLEET).ranked == (FLEET[-1].id,)
-    policy.cost_s = 0.0001  # one quick decision resets the streak
+    for _ in range(4):  # slow, but its scores are valid: used, counted
+        assert picker.decide(REQUEST, FLEET).primary == FLEET[-1].id  # type: ignore[union-attr]
+    policy.cost_s = 0.0001  # one quick call resets the streak
     picker.decide(REQUEST, FLEET)
     policy.cost_s = 0.005
     for _ in range(5):
         picker.decide(REQUEST, FLEET)
     assert recorder.failures == [("scripted_pick", "slow")] * 9
     assert wrapper.suspended and policy.calls == 10
-    for _ in range(20):  # the default decides, the policy is not called
+    for _ in range(20):  # the rest of the chain decides, the plugin is not called
         assert picker.decide(REQUEST, FLEET) is not None
-    assert policy.calls == 10 and wrapper.decisions_by_default == 20
+    assert policy.calls == 10
     clock.advance(31.0)
     policy.cost_s = 0.0001
-    assert picker.decide(REQUEST, FLEET).ranked == (FLEET[-1].id,) and policy.calls == 11
+    assert picker.decide(REQUEST, FLEET).primary == FLEET[-1].id and policy.calls == 11  # type: ignore[union-attr]
 
 
 def test_pick_failures_are_logged_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
@@ -381,8 +411,8 @@ def test_pick_failures_are_logged_once_per_interval(caplog: pytest.LogCaptureFix
 
 def test_ext_proc_metrics_count_pick_policy_failures() -> None:
     metrics = ExtProcMetrics()
-    wrapper = ContainedPickPolicy(ScriptedPick(boom))  # the picker hands it the metrics as its observer
-    picker = Picker(wrapper, CostModel(), Outstanding(), failure_observer=metrics.policy_failure)
+    _wrapper, picker, _, _ = contained(ScriptedPick(boom))
+    picker.guarded.observer = metrics.policy_failure  # what the registry gives every guard it builds
     for _ in range(3):
         assert picker.decide(REQUEST, FLEET) is not None
     samples = prometheus_samples(metrics.render().decode())
@@ -393,7 +423,7 @@ def test_an_observer_that_raises_does_not_break_a_decision() -> None:
     def bad_observer(policy: str, reason: str) -> None:
         raise RuntimeError("metrics down")
 
-    picker = Picker(ContainedPickPolicy(ScriptedPick(boom), observer=bad_observer), CostModel(), Outstanding())
+    picker = Picking(ScriptedPick(boom), "scorer", bad_observer, FakeClock())
     assert picker.decide(REQUEST, FLEET) is not None
 
 
@@ -406,7 +436,8 @@ def test_the_default_builtin_weight_policy_spec_and_pick_spec_round_trip() -> No
 
 
 def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: Any, monkeypatch: Any) -> None:
-    """EDS names a user policy that raises on every decision: requests still get a pick (the default's),
+    """EDS names a chain with a user scorer that raises on every call: requests still get a pick (the rest of
+    the chain's),
     the failures are counted, and switching back to a built-in works."""
     import asyncio
 
@@ -418,16 +449,17 @@ def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: An
     (tmp_path / "raising_policy.py").write_text(
         "class Raising:\n"
         "    name = 'raising'\n"
-        "    def rank(self, request, candidates):\n"
+        "    def score(self, request, candidates):\n"
         "        raise ZeroDivisionError('bug in a user policy')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    a, b = (EndpointInfo(f"127.0.0.1:{p}", "127.0.0.1", p) for p in (8101, 8102))
+    a, b = (PickEndpoint(f"127.0.0.1:{p}", "127.0.0.1", p) for p in (8101, 8102))
+    raising = PickPolicySpec("least_completion_time", {"scorers": [{"plugin": "raising_policy:Raising"}]})
 
     async def scenario() -> None:
         async with serving(TokenCounter.from_package(), static_view([a, b]),
                            allow=PolicyAllowlist(("raising_policy",))) as h:
-            h.source.set(static_view([a, b], PickPolicySpec("raising_policy:Raising")))
-            assert h.servicer.picker.policy.name == "raising"
+            h.source.set(static_view([a, b], raising))
+            assert [p.name for p in h.servicer.router.chain.plugins if isinstance(p, GuardedPlugin)] == ["raising"]
             for _ in range(3):
                 call = h.stub.Process()
                 await exchange(call, request_headers())
@@ -440,6 +472,6 @@ def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: An
                                              {"policy": "raising", "reason": "error"}) == 3
             assert registry.get_sample_value("inferlb_ext_proc_fallbacks_total", {"reason": "policy_error"}) in (0, None)
             h.source.set(static_view([a, b], PickPolicySpec("round_robin")))
-            assert h.servicer.picker.policy.name == "round_robin"
+            assert h.servicer.router.policy == "round_robin"
 
     asyncio.run(scenario())
