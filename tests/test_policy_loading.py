@@ -15,15 +15,16 @@ from control_plane.policy import EndpointView, FleetView
 from control_plane.policy_registry import WeightPolicyRegistry, make_weight_policy
 from control_plane.weight_policies import CapacityWeightPolicy
 from examples.policies.canary import CanaryParams, CanaryWeightPolicy
-from examples.policies.sticky_session import StickySessionParams, StickySessionPolicy
-from ext_proc.policies import LeastCompletionTime
-from ext_proc.policy_loading import ContainedPickPolicy, describe_pick_policies, make_pick_policy
+from examples.policies.sticky_session import SessionAffinity, SessionAffinityParams
+from ext_proc.guard import GuardedPlugin
+from ext_proc.policies import CompletionTime
+from ext_proc.registry import PluginRegistry
 from inferlb_runtime import plugins
 from inferlb_runtime.plugins import BadPolicyParams, PolicyAllowlist, PolicyNotFound
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = "examples.policies.canary:CanaryWeightPolicy"
-STICKY = "examples.policies.sticky_session:StickySessionPolicy"
+STICKY = "examples.policies.sticky_session:SessionAffinity"
 EXAMPLES = PolicyAllowlist(("examples",))
 
 USER_MODULE = '''
@@ -45,11 +46,11 @@ class DoubleWeight:
 
 class FirstPick:
     """The first candidate, always."""
-    kind = "pick"
+    kind = "scorer"
     name = "first"
 
-    def rank(self, request, candidates):
-        return [c.endpoint.id for c in candidates]
+    def score(self, request, candidates):
+        return [1.0] + [0.0] * (len(candidates) - 1)
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ def make_first(**params):
 
 
 class Nameless:
-    def rank(self, request, candidates):
-        return [c.endpoint.id for c in candidates]
+    def score(self, request, candidates):
+        return [0.0] * len(candidates)
 
 
 class NoMethods:
@@ -126,6 +127,17 @@ def entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, user_module: s
     return user_module
 
 
+def make_pick_plugin(spec: str, params: object = None, allow: PolicyAllowlist = PolicyAllowlist()):  # type: ignore[no-untyped-def]
+    """The scorer ``spec`` as ext_proc loads a plugin a pick policy names (guarded, params validated)."""
+    chain = PluginRegistry(allow).build("least_completion_time",
+                                        {"scorers": [{"plugin": spec, "params": params or {}}]})
+    return chain.scorers[-1][0]
+
+
+def make_pick_policy(name: str, params: object = None):  # type: ignore[no-untyped-def]
+    return PluginRegistry().build(name, params)  # type: ignore[arg-type]
+
+
 def fleet(*ids: str, weight: int = 100) -> FleetView:
     return FleetView(tuple(EndpointView(id=i, weight=weight) for i in ids), now=0.0)
 
@@ -143,14 +155,15 @@ def test_a_weight_policy_loads_from_module_attribute_with_validated_params() -> 
 
 
 def test_a_pick_policy_loads_from_module_attribute_contained_with_json_ish_params() -> None:
-    # Numbers in xDS metadata arrive as doubles: 1.0 is a fine integer.
-    policy = make_pick_policy(STICKY, {"fallbacks": 1.0, "load_factor": 2, "seed": 7.0}, EXAMPLES)
-    assert isinstance(policy, ContainedPickPolicy)
-    assert isinstance(policy.inner, StickySessionPolicy)
-    assert policy.params == StickySessionParams(fallbacks=1, load_factor=2.0, seed=7)
-    assert policy.name == "sticky_session"
+    # Numbers in xDS metadata arrive as doubles: 1.0 is a fine integer, 2 a fine float.
+    policy = make_pick_plugin(STICKY, {"load_factor": 2, "header": "x-user"}, EXAMPLES)
+    assert isinstance(policy, GuardedPlugin)
+    assert isinstance(policy.inner, SessionAffinity)
+    assert policy.params == SessionAffinityParams(header="x-user", load_factor=2.0)
+    assert policy.name == "session_affinity"
+    assert make_pick_policy("least_completion_time", {"d": 8.0}).sampler.params.d == 8
     # Built-ins are not wrapped: their hot path is unchanged.
-    assert type(make_pick_policy("least_completion_time")) is LeastCompletionTime
+    assert type(make_pick_policy("least_completion_time").scorers[0][0]) is CompletionTime
 
 
 def test_classes_and_instances_load(user_module: str, allow: PolicyAllowlist) -> None:
@@ -158,12 +171,12 @@ def test_classes_and_instances_load(user_module: str, allow: PolicyAllowlist) ->
     assert double.compute(fleet("a:1")) == {"a:1": 150} and double.cap == 150
     boost = make_weight_policy(f"{user_module}:Boost", {"boost": 3}, allow)
     assert boost.params.boost == 3 and boost.params.mode == "fast"
-    ready = make_pick_policy(f"{user_module}:ready_made", allow=allow)
+    ready = make_pick_plugin(f"{user_module}:ready_made", allow=allow)
     assert ready.inner.name == "first"
-    nameless = make_pick_policy(f"{user_module}:Nameless", allow=allow)
+    nameless = make_pick_plugin(f"{user_module}:Nameless", allow=allow)
     assert nameless.name == f"{user_module}:Nameless"  # labelled by its spec in metrics and logs
-    with pytest.raises(PolicyNotFound, match=r"not a pick policy: a class whose instances have rank\(\)"):
-        make_pick_policy(f"{user_module}:make_first", {"anything": "goes"}, allow)  # a factory is never called
+    with pytest.raises(PolicyNotFound, match=r"not a scorer policy: a class whose instances have score\(\)"):
+        make_pick_plugin(f"{user_module}:make_first", {"anything": "goes"}, allow)  # a factory is never called
 
 
 def test_nothing_outside_the_allowlist_is_imported_or_called(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -175,17 +188,17 @@ def test_nothing_outside_the_allowlist_is_imported_or_called(tmp_path: Path, mon
         make_weight_policy("os:system", {"command": f"touch {marker}"})
     assert not marker.exists()
     # A module that would announce its import: refused on the string, never imported.
-    (tmp_path / "loud_policy.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass P:\n    def rank(self, r, c): ...\n")
+    (tmp_path / "loud_policy.py").write_text(f"open({str(marker)!r}, 'w').close()\nclass P:\n    def score(self, r, c): ...\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(PolicyNotFound, match=r"not under a module prefix"):
-        make_pick_policy("loud_policy:P", allow=PolicyAllowlist(("loud",)))  # a prefix is whole components
+        make_pick_plugin("loud_policy:P", allow=PolicyAllowlist(("loud",)))  # a prefix is whole components
     assert not marker.exists() and "loud_policy" not in sys.modules
     # Allowed, a function is still not a policy: checked before it is called.
     with pytest.raises(PolicyNotFound, match=r"not a weight policy: a class whose instances have compute\(\)"):
         make_weight_policy("os:system", {"command": f"touch {marker}"}, PolicyAllowlist(("os",)))
     assert not marker.exists()
-    with pytest.raises(PolicyNotFound, match=r"not a pick policy"):
-        make_pick_policy("os.path:join", allow=PolicyAllowlist(("os",)))
+    with pytest.raises(PolicyNotFound, match=r"not a scorer policy"):
+        make_pick_plugin("os.path:join", allow=PolicyAllowlist(("os",)))
     with pytest.raises(ValueError, match=r"not a dotted module name"):
         PolicyAllowlist(("os system",))
 
@@ -202,7 +215,7 @@ def test_the_allowlist_matches_whole_module_components() -> None:
     ("examples.policies.nope:Policy", {}, PolicyNotFound, r"no module named 'examples.policies.nope'"),
     ("examples_evil:Policy", {}, PolicyNotFound, r"module 'examples_evil' is not under a module prefix"),
     ("examples.policies.canary:Nope", {}, PolicyNotFound, r"module 'examples.policies.canary' has no attribute 'Nope'"),
-    (STICKY, {}, PolicyNotFound, r"is a pick policy, not a weight policy"),
+    (STICKY, {}, PolicyNotFound, r"is a scorer policy, not a weight policy"),
     ("json:JSONDecodeError", {}, PolicyNotFound, r"'json' is not under a module prefix"),
     ("fastest", {}, PolicyNotFound, r"unknown weight policy 'fastest'.*capacity, equal.*inferlb.policies"),
     ("not a spec:", {}, PolicyNotFound, r"unknown weight policy"),
@@ -236,12 +249,12 @@ def test_bad_user_modules_say_what_is_wrong(user_module: str, allow: PolicyAllow
     with pytest.raises(BadPolicyParams, match=r"'boost': expected an integer, got True"):
         make_weight_policy(f"{user_module}:Boost", {"boost": True}, allow=allow)
     with pytest.raises(BadPolicyParams, match=r"ready-made instance and takes no parameters"):
-        make_pick_policy(f"{user_module}:ready_made", {"x": 1}, allow=allow)
-    with pytest.raises(PolicyNotFound, match=r"is a weight policy, not a pick policy"):
-        make_pick_policy(f"{user_module}:Boost", allow=allow)
-    with pytest.raises(PolicyNotFound, match=r"unknown pick policy 'nope'; allowed: built in least_completion_time"):
+        make_pick_plugin(f"{user_module}:ready_made", {"x": 1}, allow=allow)
+    with pytest.raises(PolicyNotFound, match=r"is a weight policy, not a scorer policy"):
+        make_pick_plugin(f"{user_module}:Boost", allow=allow)
+    with pytest.raises(PolicyNotFound, match=r"pick policy 'nope' is unknown; allowed: built in least_completion_time"):
         make_pick_policy("nope")
-    with pytest.raises(BadPolicyParams, match=r"least_completion_time: param 'd' must be >= 1"):
+    with pytest.raises(BadPolicyParams, match=r"least_completion_time'?: parameter 'd' must be >= 1"):
         make_pick_policy("least_completion_time", {"d": 0})
 
 
@@ -252,16 +265,16 @@ def test_policies_load_by_entry_point_name(entry_points: str) -> None:
     double = make_weight_policy("my_double", {"cap": 120})
     assert double.compute(fleet("a:1")) == {"a:1": 120}
     assert make_weight_policy("my_boost", {"boost": 4}).params.boost == 4
-    first = make_pick_policy("my_first")
-    assert isinstance(first, ContainedPickPolicy) and first.name == "first"
-    sticky = make_pick_policy("my_sticky", {"load_factor": 3})
+    first = make_pick_plugin("my_first")
+    assert isinstance(first, GuardedPlugin) and first.name == "first"
+    sticky = make_pick_plugin("my_sticky", {"load_factor": 3})
     assert sticky.params.load_factor == 3.0
     # A built-in name always means the built-in.
     assert isinstance(make_weight_policy("capacity"), CapacityWeightPolicy)
 
 
 def test_entry_point_errors_are_clear(entry_points: str) -> None:
-    with pytest.raises(PolicyNotFound, match=r"entry point 'my_first' .* declares kind='pick', not 'weight'"):
+    with pytest.raises(PolicyNotFound, match=r"entry point 'my_first' .* declares kind='scorer', not 'weight'"):
         make_weight_policy("my_first")
     with pytest.raises(PolicyNotFound, match=r"entry point 'not_loadable' .* failed to load: ModuleNotFoundError"):
         make_weight_policy("not_loadable")
@@ -283,12 +296,13 @@ def test_descriptions_list_builtins_and_entry_points_with_schemas(entry_points: 
                                                                            "type": "integer"}
     assert weight["my_double"]["params_schema"]["properties"]["cap"] == {"type": "integer", "default": 1000}
     assert {"my_first", "my_sticky", "not_loadable", "no_kind"}.isdisjoint(weight)
-    pick = {d["name"]: d for d in describe_pick_policies()}
+    pick = {d["name"]: d for d in PluginRegistry().describe()}
     assert {"least_completion_time", "round_robin", "least_outstanding", "p2c_tokens"} <= set(pick)
     assert pick["least_completion_time"]["params_schema"]["properties"]["d"]["default"] == 4
     assert pick["my_sticky"]["params_schema"]["properties"]["load_factor"]["default"] == 1.25
-    # The control plane can list entry-point pick policies without ext_proc (see pick_catalogue.py).
-    assert [d["name"] for d in plugins.describe_entry_points("pick")] == ["my_first", "my_sticky"]
+    assert pick["completion_time"]["kind"] == "scorer" and pick["my_first"]["kind"] == "scorer"
+    # Entry-point plugins can be listed without ext_proc (the control plane checks names this way).
+    assert [d["name"] for d in plugins.describe_entry_points("scorer")] == ["my_first", "my_sticky"]
     json.dumps([*weight.values(), *pick.values()])  # all JSON
 
 
@@ -308,13 +322,13 @@ def test_loading_keeps_the_services_apart() -> None:
         import control_plane.policy_registry, control_plane.controller
         from inferlb_runtime import plugins
         allow = plugins.PolicyAllowlist(("examples",))
-        plugins.describe("pick", {STICKY!r}, plugins.resolve("pick", {STICKY!r}, allow)[0], "spec")
+        plugins.describe("scorer", {STICKY!r}, plugins.resolve("scorer", {STICKY!r}, allow)[0], "spec")
         assert not [m for m in sys.modules if m.split(".")[0] == "ext_proc"], "control plane imported ext_proc"
     """)
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
     code = textwrap.dedent("""
         import sys
-        import ext_proc.policy_loading, ext_proc.server, ext_proc.metrics
+        import ext_proc.registry, ext_proc.server, ext_proc.metrics
         assert not [m for m in sys.modules if m.split(".")[0] == "control_plane"], "ext_proc imported control_plane"
     """)
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
