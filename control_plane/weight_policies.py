@@ -10,7 +10,7 @@ Each is a class with a ``name``, a frozen ``Params`` dataclass and
 (``policy_registry.py``) builds built-ins and user policies the same way, so
 one validator (``inferlb_runtime.plugins.parse_params``) checks every
 policy's parameters. ``clamp_weight`` and ``damp`` are public because user
-policies (``examples/policies/canary.py``) want the same rounding.
+policies (``examples/policies/canary_weights.py``) want the same rounding.
 """
 
 from __future__ import annotations

@@ -15,29 +15,29 @@ from control_plane.model import Health, Telemetry
 from control_plane.policy import EndpointView, FleetView
 from control_plane.policy_registry import make_weight_policy
 from control_plane.weight_policies import CapacityWeightPolicy
-from examples.policies.canary import CanaryParams, CanaryWeightPolicy, with_canary_share
-from examples.policies.sticky_session import StickySessionParams, StickySessionPolicy, stable_hash
-from ext_proc.cost import CostModel
-from ext_proc.model import Candidate, EndpointInfo, RequestView
-from ext_proc.outstanding import Outstanding
-from ext_proc.picker import Picker
-from ext_proc.policy_loading import make_pick_policy
-from inferlb_runtime.plugins import PolicyAllowlist
-from inferlb_runtime.plugins import BadPolicyParams
+from examples.policies.canary_weights import CanaryParams, CanaryWeightPolicy, with_canary_share
+from examples.policies.sticky_session import SessionAffinity, SessionAffinityParams, stable_hash
+from ext_proc.model import Candidate, RequestView
+from ext_proc.model import EndpointView as PickEndpoint  # one endpoint as ext_proc sees it
+from ext_proc.policies import CompletionTime, MaxScore, Sampler
+from ext_proc.registry import PluginRegistry
+from ext_proc.routing import Router
+from inferlb_runtime.pick_chain import CompletionTimeParams, MaxScoreParams, SampleParams
+from inferlb_runtime.plugins import BadPolicyParams, PolicyAllowlist
 
-STICKY = "examples.policies.sticky_session:StickySessionPolicy"
-CANARY = "examples.policies.canary:CanaryWeightPolicy"
+STICKY = "examples.policies.sticky_session:SessionAffinity"
+CANARY = "examples.policies.canary_weights:CanaryWeightPolicy"
 EXAMPLES = PolicyAllowlist(("examples.policies",))
 
-# --- sticky sessions ------------------------------------------------------------------------------
+# --- sticky sessions: a scorer added to the default chain ---------------------------------------------
 
 
-def info(i: int, weight: int = 100) -> EndpointInfo:
-    return EndpointInfo(id=f"10.0.{i // 250}.{i % 250}:8000", address=f"10.0.{i // 250}.{i % 250}", port=8000,
+def info(i: int, weight: int = 100) -> PickEndpoint:
+    return PickEndpoint(id=f"10.0.{i // 250}.{i % 250}:8000", address=f"10.0.{i // 250}.{i % 250}", port=8000,
                         weight=weight)
 
 
-def candidate(e: EndpointInfo, outstanding_s: float = 0.0, cost_s: float = 0.01) -> Candidate:
+def candidate(e: PickEndpoint, outstanding_s: float = 0.0, cost_s: float = 0.01) -> Candidate:
     return Candidate(e, cost_s, outstanding_s, int(outstanding_s / cost_s), 0)
 
 
@@ -49,8 +49,23 @@ def request(session: str | None = None) -> RequestView:
 FLEET = tuple(info(i) for i in range(1, 7))
 
 
-def sticky(**params: object) -> StickySessionPolicy:
-    return StickySessionPolicy(StickySessionParams(seed=1, **params))  # type: ignore[arg-type]
+class Sticky:
+    """The default chain's scorer and picker with SessionAffinity (weight 1) beside it, on given candidates:
+    what the chain does after costing."""
+
+    def __init__(self, seed: int = 1, weight_exponent: float = 0.0, fallbacks: int = 2, **params: object) -> None:
+        self.affinity = SessionAffinity(SessionAffinityParams(**params))  # type: ignore[arg-type]
+        self.default = CompletionTime(CompletionTimeParams(weight_exponent))
+        self.picker = MaxScore(MaxScoreParams(fallbacks, seed))
+
+    def rank(self, request: RequestView, candidates: list[Candidate]) -> list[str]:
+        totals = [a + b for a, b in zip(self.default.score(request, candidates),
+                                        self.affinity.score(request, candidates))]
+        return self.picker.pick(request, candidates, totals)
+
+
+def sticky(**params: object) -> Sticky:
+    return Sticky(**params)  # type: ignore[arg-type]
 
 
 def test_the_same_session_goes_to_the_same_worker_and_sessions_spread() -> None:
@@ -67,7 +82,7 @@ def test_the_same_session_goes_to_the_same_worker_and_sessions_spread() -> None:
     spread = Counter(homes.values())
     assert set(spread) == {e.id for e in FLEET} and min(spread.values()) > 20  # ~50 each
     # Another instance (another ext_proc replica, another seed) agrees: the hash is stable.
-    other = StickySessionPolicy(StickySessionParams(seed=99))
+    other = Sticky(seed=99)
     assert all(other.rank(request(s), idle)[0] == home for s, home in homes.items())
 
 
@@ -92,7 +107,7 @@ def test_an_overloaded_sticky_worker_sheds_the_session_until_it_recovers() -> No
     loads[home] = 0.028
     within = [candidate(e, loads[e.id]) for e in FLEET]
     assert policy.rank(request(session), within)[0] == home
-    # Far over the bound: the default rule (least completion per weight) decides.
+    # Far over the bound: the default rule (least predicted completion) decides.
     loads[home] = 0.5
     over = [candidate(e, loads[e.id]) for e in FLEET]
     ranked = policy.rank(request(session), over)
@@ -102,43 +117,53 @@ def test_an_overloaded_sticky_worker_sheds_the_session_until_it_recovers() -> No
 
 
 def test_without_a_session_the_default_rule_ranks() -> None:
-    policy = sticky()
+    policy = sticky(weight_exponent=1.0)
     cands = [candidate(e, outstanding_s=0.1 * (i + 1)) for i, e in enumerate(FLEET)]
     assert policy.rank(request(None), cands) == [FLEET[0].id, FLEET[1].id, FLEET[2].id]
-    # Weight counts as capacity: double weight halves the score.
+    # Weight counts as capacity (weight_exponent 1): double weight halves the score.
     heavy = [candidate(info(1), 0.1), candidate(info(2, weight=300), 0.2)]
     assert policy.rank(request(None), heavy)[0] == info(2).id
     assert sticky(fallbacks=0).rank(request(None), cands) == [FLEET[0].id]
 
 
-def test_on_a_large_fleet_only_the_sessions_top_choices_and_a_sample_are_costed() -> None:
+def test_on_a_large_fleet_the_sample_keeps_the_sessions_favourite() -> None:
     big = tuple(info(i) for i in range(1000))
-    policy = sticky(sample=4)
+    affinity = SessionAffinity()
     session = "tenant-7"
-    pool = policy.sample(request(session), big)
-    assert len(pool) == 3 + 4 and len({e.id for e in pool}) == 7
-    # The sampled pool holds the session's favourite of the whole fleet, so it stays sticky.
-    favourite = policy.preference(session, [e.id for e in big])[0]
-    assert favourite in {e.id for e in pool}
-    assert policy.rank(request(session), [candidate(e) for e in pool])[0] == favourite
-    assert len(policy.sample(request(None), big)) == 7
-    assert policy.sample(request(session), FLEET) is FLEET  # small fleets: everyone
+    favourite = affinity.preference(session, [e.id for e in big])[0]
+    assert [e.id for e in affinity.favourites(request(session), big)] == [favourite]
+    sampler = Sampler(SampleParams(d=4), __import__("random").Random(3))
+    pool = sampler.sample(big, affinity.favourites(request(session), big))
+    assert 4 <= len(pool) <= 5 and len({e.id for e in pool}) == len(pool) and favourite in {e.id for e in pool}
+    assert sticky().rank(request(session), [candidate(e) for e in pool])[0] == favourite
+    assert affinity.favourites(request(None), big) == []
+    small = FLEET[:4]
+    assert sampler.sample(small, affinity.favourites(request(session), small)) is small  # d or fewer: everyone
 
 
-def test_sticky_through_the_picker_loaded_by_spec() -> None:
-    policy = make_pick_policy(STICKY, {"seed": 3}, EXAMPLES)
-    picker = Picker(policy, CostModel(), Outstanding())
-    primaries = {picker.decide(request("abc"), FLEET).primary for _ in range(20)}
+def test_sticky_through_the_router_loaded_by_spec() -> None:
+    router = Router(PluginRegistry(EXAMPLES), "least_completion_time",
+                    {"seed": 3, "scorers": [{"plugin": STICKY}]})
+    primaries = set()
+    for key in range(20):
+        decision = router.decide(key, request("abc"), FLEET)
+        primaries.add(decision.primary)  # type: ignore[union-attr]
+        router.release(key)
     assert len(primaries) == 1
     assert stable_hash("abc") == stable_hash("abc")
 
 
 def test_sticky_params_are_validated() -> None:
+    registry = PluginRegistry(EXAMPLES)
+
+    def build(params: dict) -> object:
+        return registry.build("least_completion_time", {"scorers": [{"plugin": STICKY, "params": params}]})
+
     with pytest.raises(BadPolicyParams, match="load_factor must be in"):
-        make_pick_policy(STICKY, {"load_factor": 0.5}, EXAMPLES)
+        build({"load_factor": 0.5})
     with pytest.raises(BadPolicyParams, match="lower-case header"):
-        make_pick_policy(STICKY, {"header": "X-Session-Id"}, EXAMPLES)
-    assert make_pick_policy(STICKY, {"header": "x-user"}, EXAMPLES).params.header == "x-user"
+        build({"header": "X-Session-Id"})
+    assert build({"header": "x-user"}).scorers[-1][0].params.header == "x-user"  # type: ignore[attr-defined]
 
 
 # --- canary ---------------------------------------------------------------------------------------
@@ -230,7 +255,7 @@ def test_canary_params_are_validated() -> None:
 
 @pytest.mark.slow
 def test_the_control_plane_runs_the_canary_policy_from_its_command_line(tmp_path: Path) -> None:
-    """``python -m control_plane --weight-policy examples.policies.canary:CanaryWeightPolicy`` with three
+    """``python -m control_plane --weight-policy examples.policies.canary_weights:CanaryWeightPolicy`` with three
     simulated workers: /metrics shows the canary's effective weight at its share."""
     from tests.stack import running_control_plane, running_sim_workers, wait_for
 

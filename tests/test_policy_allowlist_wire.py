@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 STICKY = "examples.policies.sticky_session:SessionAffinity"
 # The sticky-session scorer added to the default chain: a pick policy that names a user plugin.
 STICKY_CHAIN = {"name": "least_completion_time", "params": {"seed": 1, "scorers": [{"plugin": STICKY}]}}
-CANARY = "examples.policies.canary:CanaryWeightPolicy"
+CANARY = "examples.policies.canary_weights:CanaryWeightPolicy"
 ALLOW_EXAMPLES = {"INFERLB_CP_ALLOWED_POLICY_MODULES": "examples.policies"}
 
 

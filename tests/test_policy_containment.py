@@ -241,7 +241,7 @@ def test_the_controller_contains_a_raising_user_policy_and_counts_it() -> None:
 
 def test_a_user_weight_policy_from_a_spec_runs_contained_in_the_controller() -> None:
     config = ControlPlaneConfig(endpoints=["127.0.0.1:9001", "127.0.0.1:9002"],
-                                weight_policy="examples.policies.canary:CanaryWeightPolicy",
+                                weight_policy="examples.policies.canary_weights:CanaryWeightPolicy",
                                 allowed_policy_modules=["examples.policies"],
                                 weight_params={"endpoint": "127.0.0.1:9002", "share": 0.2})
     controller = Controller(config, SnapshotCache())

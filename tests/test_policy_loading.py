@@ -14,7 +14,7 @@ import pytest
 from control_plane.policy import EndpointView, FleetView
 from control_plane.policy_registry import WeightPolicyRegistry, make_weight_policy
 from control_plane.weight_policies import CapacityWeightPolicy
-from examples.policies.canary import CanaryParams, CanaryWeightPolicy
+from examples.policies.canary_weights import CanaryParams, CanaryWeightPolicy
 from examples.policies.sticky_session import SessionAffinity, SessionAffinityParams
 from ext_proc.guard import GuardedPlugin
 from ext_proc.policies import CompletionTime
@@ -23,7 +23,7 @@ from inferlb_runtime import plugins
 from inferlb_runtime.plugins import BadPolicyParams, PolicyAllowlist, PolicyNotFound
 
 ROOT = Path(__file__).resolve().parents[1]
-CANARY = "examples.policies.canary:CanaryWeightPolicy"
+CANARY = "examples.policies.canary_weights:CanaryWeightPolicy"
 STICKY = "examples.policies.sticky_session:SessionAffinity"
 EXAMPLES = PolicyAllowlist(("examples",))
 
@@ -214,7 +214,7 @@ def test_the_allowlist_matches_whole_module_components() -> None:
     ("no_such_package.policies:Policy", {}, PolicyNotFound, r"'no_such_package.policies' is not under a module"),
     ("examples.policies.nope:Policy", {}, PolicyNotFound, r"no module named 'examples.policies.nope'"),
     ("examples_evil:Policy", {}, PolicyNotFound, r"module 'examples_evil' is not under a module prefix"),
-    ("examples.policies.canary:Nope", {}, PolicyNotFound, r"module 'examples.policies.canary' has no attribute 'Nope'"),
+    ("examples.policies.canary_weights:Nope", {}, PolicyNotFound, r"module 'examples.policies.canary_weights' has no attribute 'Nope'"),
     (STICKY, {}, PolicyNotFound, r"is a scorer policy, not a weight policy"),
     ("json:JSONDecodeError", {}, PolicyNotFound, r"'json' is not under a module prefix"),
     ("fastest", {}, PolicyNotFound, r"unknown weight policy 'fastest'.*capacity, equal.*inferlb.policies"),

@@ -97,15 +97,15 @@ def test_built_in_and_user_policies_are_validated_by_the_runtimes_parser(monkeyp
     monkeypatch.setattr(plugins, "parse_params", spy)
     registry = WeightPolicyRegistry(plugins.PolicyAllowlist(("examples.policies",)))
     registry.make("capacity", {"max_step": 2})
-    registry.make("examples.policies.canary:CanaryWeightPolicy", {"endpoint": ENDPOINTS[0]})
+    registry.make("examples.policies.canary_weights:CanaryWeightPolicy", {"endpoint": ENDPOINTS[0]})
     with pytest.raises(plugins.BadPolicyParams, match="weight policy 'equal': unknown parameter"):
         registry.make("equal", {"x": 1})
-    assert seen == ["weight policy 'capacity'", "weight policy 'examples.policies.canary:CanaryWeightPolicy'",
+    assert seen == ["weight policy 'capacity'", "weight policy 'examples.policies.canary_weights:CanaryWeightPolicy'",
                     "weight policy 'equal'"]
 
 
 def test_the_registry_holds_its_allowlist() -> None:
-    spec = "examples.policies.canary:CanaryWeightPolicy"
+    spec = "examples.policies.canary_weights:CanaryWeightPolicy"
     with pytest.raises(plugins.PolicyNotFound, match="not under a module prefix the operator allows"):
         WeightPolicyRegistry().make(spec, {"endpoint": ENDPOINTS[0]})
     allowed = WeightPolicyRegistry(plugins.PolicyAllowlist(("examples.policies",)))
