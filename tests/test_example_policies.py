@@ -1,6 +1,6 @@
-"""The worked examples in examples/policies/: sticky sessions with bounded load (a pick policy) and a canary
-at a fixed share (a weight policy). Frozen inputs, no servers; one test runs the canary in the real control
-plane with simulated workers."""
+"""The worked examples in examples/policies/: sticky sessions with bounded load (a scorer of the pick chain)
+and a canary at a fixed share (a weight policy). Frozen inputs, no servers; one test runs the canary in the
+real control plane with simulated workers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
+from random import Random
 
 import pytest
 
@@ -132,11 +133,18 @@ def test_on_a_large_fleet_the_sample_keeps_the_sessions_favourite() -> None:
     session = "tenant-7"
     favourite = affinity.preference(session, [e.id for e in big])[0]
     assert [e.id for e in affinity.favourites(request(session), big)] == [favourite]
-    sampler = Sampler(SampleParams(d=4), __import__("random").Random(3))
+    sampler = Sampler(SampleParams(d=4), Random(3))
     pool = sampler.sample(big, affinity.favourites(request(session), big))
     assert 4 <= len(pool) <= 5 and len({e.id for e in pool}) == len(pool) and favourite in {e.id for e in pool}
     assert sticky().rank(request(session), [candidate(e) for e in pool])[0] == favourite
-    assert affinity.favourites(request(None), big) == []
+    assert affinity.favourites(request(None), big) == [] and len(sampler.sample(big, [])) == 4
+    # Through the chain as a spec builds it: only the favourite and a sample are costed, and it stays sticky.
+    router = Router(PluginRegistry(EXAMPLES), "least_completion_time", {"seed": 3, "scorers": [{"plugin": STICKY}]})
+    for key in range(20):
+        decision = router.decide(key, request(session), big)
+        assert decision is not None and decision.primary == favourite  # type: ignore[union-attr]
+        assert decision.evaluated <= 5  # type: ignore[union-attr]  # the favourite and d = 4
+        router.release(key)
     small = FLEET[:4]
     assert sampler.sample(small, affinity.favourites(request(session), small)) is small  # d or fewer: everyone
 

@@ -9,6 +9,7 @@ the marker is never written.
 
 from __future__ import annotations
 
+import sys
 import textwrap
 from pathlib import Path
 
@@ -83,6 +84,17 @@ def test_a_spec_cannot_reach_past_the_allowed_module(packages: str, marker: Path
         make_weight_policy(spec, {"x": 1}, allow)
     with pytest.raises(PolicyNotFound, match=refusal.format(p=packages)):
         make_pick_plugin(spec, {"x": 1}, allow)
+    assert not marker.exists()
+
+
+def test_a_pick_policy_name_is_never_a_spec(packages: str, marker: Path) -> None:
+    """A pick policy is one of the built-in chains: a ``module:attribute`` name is refused on the string, even
+    under an allowed prefix (user code enters the chain only as a plugin), and nothing is imported."""
+    allow = PolicyAllowlist((f"{packages}_allowed", f"{packages}_other"))
+    for name in (f"{packages}_allowed:Own", f"{packages}_allowed:Loud", "os:system"):
+        with pytest.raises(PolicyNotFound, match=r"is not allowed: a pick policy is one of the built-in chains"):
+            PluginRegistry(allow).build(name, {"x": 1})
+    assert f"{packages}_allowed" not in sys.modules and f"{packages}_other" not in sys.modules
     assert not marker.exists()
 
 

@@ -33,6 +33,7 @@ from ext_proc.policies import Sampler
 from ext_proc.registry import PluginRegistry
 from ext_proc.routing import Router
 from inferlb_runtime.pick_chain import SampleParams
+from inferlb_runtime.plugins import PolicyAllowlist
 from tests.stack import prometheus_samples, sample
 
 
@@ -388,8 +389,10 @@ def test_a_slow_pick_policy_is_counted_then_suspended_for_a_cooldown() -> None:
         picker.decide(REQUEST, FLEET)
     assert recorder.failures == [("scripted_pick", "slow")] * 9
     assert wrapper.suspended and policy.calls == 10
+    picker.outstanding.begin("busy", FLEET[-1].id, 256, 1.0)  # the plugin's favourite, which the default avoids
     for _ in range(20):  # the rest of the chain decides, the plugin is not called
-        assert picker.decide(REQUEST, FLEET) is not None
+        decision = picker.decide(REQUEST, FLEET)
+        assert decision is not None and decision.primary != FLEET[-1].id
     assert policy.calls == 10
     clock.advance(31.0)
     policy.cost_s = 0.0001
@@ -409,12 +412,21 @@ def test_pick_failures_are_logged_once_per_interval(caplog: pytest.LogCaptureFix
     assert len(recorder.failures) == 1001
 
 
+class Booming(ScriptedPick):
+    """A user scorer that raises on every call, loadable by spec (``tests.test_policy_containment:Booming``)."""
+
+    def __init__(self) -> None:
+        super().__init__(boom)
+
+
 def test_ext_proc_metrics_count_pick_policy_failures() -> None:
+    """The registry hands its failure observer (ext_proc's metrics) to every guard it builds."""
     metrics = ExtProcMetrics()
-    _wrapper, picker, _, _ = contained(ScriptedPick(boom))
-    picker.guarded.observer = metrics.policy_failure  # what the registry gives every guard it builds
-    for _ in range(3):
-        assert picker.decide(REQUEST, FLEET) is not None
+    registry = PluginRegistry(PolicyAllowlist((__name__,)), observer=metrics.policy_failure)
+    router = Router(registry, "least_completion_time", {"scorers": [{"plugin": f"{__name__}:Booming"}]})
+    for key in range(3):
+        assert router.decide(key, REQUEST, FLEET) is not None
+        router.release(key)
     samples = prometheus_samples(metrics.render().decode())
     assert sample(samples, "inferlb_ext_proc_policy_failures_total", policy="scripted_pick", reason="error") == 3
 
@@ -436,30 +448,34 @@ def test_the_default_builtin_weight_policy_spec_and_pick_spec_round_trip() -> No
 
 
 def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: Any, monkeypatch: Any) -> None:
-    """EDS names a chain with a user scorer that raises on every call: requests still get a pick (the rest of
-    the chain's),
-    the failures are counted, and switching back to a built-in works."""
+    """EDS names a chain with a user filter and a user scorer that raise on every call: requests still get a
+    pick (the rest of the chain's), the failures are counted, and switching back to a built-in works."""
     import asyncio
 
     from ext_proc.tokens import TokenCounter
     from ext_proc.xds_client import PickPolicySpec, static_view
-    from inferlb_runtime.plugins import PolicyAllowlist
     from tests.test_ext_proc_service import PICK, exchange, request_body, request_headers, serving, set_headers
 
     (tmp_path / "raising_policy.py").write_text(
         "class Raising:\n"
         "    name = 'raising'\n"
         "    def score(self, request, candidates):\n"
-        "        raise ZeroDivisionError('bug in a user policy')\n")
+        "        raise ZeroDivisionError('bug in a user policy')\n"
+        "class RaisingFilter:\n"
+        "    name = 'raising_filter'\n"
+        "    def filter(self, request, endpoints):\n"
+        "        raise KeyError('bug in a user filter')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     a, b = (PickEndpoint(f"127.0.0.1:{p}", "127.0.0.1", p) for p in (8101, 8102))
-    raising = PickPolicySpec("least_completion_time", {"scorers": [{"plugin": "raising_policy:Raising"}]})
+    raising = PickPolicySpec("least_completion_time", {"scorers": [{"plugin": "raising_policy:Raising"}],
+                                                       "filters": [{"plugin": "raising_policy:RaisingFilter"}]})
 
     async def scenario() -> None:
         async with serving(TokenCounter.from_package(), static_view([a, b]),
                            allow=PolicyAllowlist(("raising_policy",))) as h:
             h.source.set(static_view([a, b], raising))
-            assert [p.name for p in h.servicer.router.chain.plugins if isinstance(p, GuardedPlugin)] == ["raising"]
+            guarded = [p.name for p in h.servicer.router.chain.plugins if isinstance(p, GuardedPlugin)]
+            assert guarded == ["raising_filter", "raising"]
             for _ in range(3):
                 call = h.stub.Process()
                 await exchange(call, request_headers())
@@ -470,6 +486,8 @@ def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: An
             registry = h.servicer.metrics.registry
             assert registry.get_sample_value("inferlb_ext_proc_policy_failures_total",
                                              {"policy": "raising", "reason": "error"}) == 3
+            assert registry.get_sample_value("inferlb_ext_proc_policy_failures_total",
+                                             {"policy": "raising_filter", "reason": "error"}) == 3
             assert registry.get_sample_value("inferlb_ext_proc_fallbacks_total", {"reason": "policy_error"}) in (0, None)
             h.source.set(static_view([a, b], PickPolicySpec("round_robin")))
             assert h.servicer.router.policy == "round_robin"

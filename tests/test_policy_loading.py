@@ -24,6 +24,7 @@ from inferlb_runtime.plugins import BadPolicyParams, PolicyAllowlist, PolicyNotF
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = "examples.policies.canary_weights:CanaryWeightPolicy"
+CANARY_FILTER = "examples.policies.canary:CanaryFilter"
 STICKY = "examples.policies.sticky_session:SessionAffinity"
 EXAMPLES = PolicyAllowlist(("examples",))
 
@@ -81,6 +82,15 @@ class Nameless:
         return [0.0] * len(candidates)
 
 
+class Shed:
+    """Sheds nothing: an admit plugin that lets every request through."""
+    kind = "admit"
+    name = "shed"
+
+    def admit(self, request, endpoints):
+        return None
+
+
 class NoMethods:
     kind = "weight"
 
@@ -121,6 +131,8 @@ def entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, user_module: s
         my_boost = {user_module}:Boost
         my_first = {user_module}:FirstPick
         my_sticky = {STICKY}
+        my_canary = {CANARY_FILTER}
+        my_shed = {user_module}:Shed
         not_loadable = {user_module}_missing:Nothing
         no_kind = {user_module}:NoKind
         """))
@@ -161,7 +173,8 @@ def test_a_pick_policy_loads_from_module_attribute_contained_with_json_ish_param
     assert isinstance(policy.inner, SessionAffinity)
     assert policy.params == SessionAffinityParams(header="x-user", load_factor=2.0)
     assert policy.name == "session_affinity"
-    assert make_pick_policy("least_completion_time", {"d": 8.0}).sampler.params.d == 8
+    d = make_pick_policy("least_completion_time", {"d": 8.0}).sampler.params.d
+    assert d == 8 and type(d) is int
     # Built-ins are not wrapped: their hot path is unchanged.
     assert type(make_pick_policy("least_completion_time").scorers[0][0]) is CompletionTime
 
@@ -269,6 +282,16 @@ def test_policies_load_by_entry_point_name(entry_points: str) -> None:
     assert isinstance(first, GuardedPlugin) and first.name == "first"
     sticky = make_pick_plugin("my_sticky", {"load_factor": 3})
     assert sticky.params.load_factor == 3.0
+    # Filters and admit plugins load by entry-point name the same way, each in its own step.
+    chain = PluginRegistry().build("least_completion_time", {
+        "filters": [{"plugin": "my_canary", "params": {"endpoint": "10.0.0.1:8000", "share": 0.1}}],
+        "admit": [{"plugin": "my_shed"}]})
+    canary, shed = chain.filters[-1], chain.admit[-1]
+    assert isinstance(canary, GuardedPlugin) and canary.step == "filter" and canary.name == "canary"
+    assert canary.params.share == 0.1
+    assert isinstance(shed, GuardedPlugin) and shed.step == "admit" and shed.name == "shed"
+    with pytest.raises(PolicyNotFound, match=r"unknown plugin 'my_canary'"):  # a filter is not a scorer
+        make_pick_plugin("my_canary", {"endpoint": "10.0.0.1:8000"})
     # A built-in name always means the built-in.
     assert isinstance(make_weight_policy("capacity"), CapacityWeightPolicy)
 
@@ -295,14 +318,21 @@ def test_descriptions_list_builtins_and_entry_points_with_schemas(entry_points: 
     assert weight["my_boost"]["params_schema"]["properties"]["boost"] == {"default": 2, "title": "Boost",
                                                                            "type": "integer"}
     assert weight["my_double"]["params_schema"]["properties"]["cap"] == {"type": "integer", "default": 1000}
-    assert {"my_first", "my_sticky", "not_loadable", "no_kind"}.isdisjoint(weight)
+    assert {"my_first", "my_sticky", "my_canary", "my_shed", "not_loadable", "no_kind"}.isdisjoint(weight)
     pick = {d["name"]: d for d in PluginRegistry().describe()}
     assert {"least_completion_time", "round_robin", "least_outstanding", "p2c_tokens"} <= set(pick)
     assert pick["least_completion_time"]["params_schema"]["properties"]["d"]["default"] == 4
     assert pick["my_sticky"]["params_schema"]["properties"]["load_factor"]["default"] == 1.25
+    assert pick["least_completion_time"]["kind"] == "pick" and pick["least_completion_time"]["source"] == "builtin"
     assert pick["completion_time"]["kind"] == "scorer" and pick["my_first"]["kind"] == "scorer"
+    assert pick["rotate"]["kind"] == "filter" and pick["max_score"]["kind"] == "picker"
+    assert pick["my_canary"]["kind"] == "filter" and pick["my_canary"]["source"] == "entry_point"
+    assert pick["my_canary"]["params_schema"]["required"] == ["endpoint"]
+    assert pick["my_shed"]["kind"] == "admit" and pick["my_shed"]["summary"].startswith("Sheds nothing")
     # Entry-point plugins can be listed without ext_proc (the control plane checks names this way).
     assert [d["name"] for d in plugins.describe_entry_points("scorer")] == ["my_first", "my_sticky"]
+    assert [d["name"] for d in plugins.describe_entry_points("filter")] == ["my_canary"]
+    assert [d["name"] for d in plugins.describe_entry_points("admit")] == ["my_shed"]
     json.dumps([*weight.values(), *pick.values()])  # all JSON
 
 
