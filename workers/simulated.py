@@ -246,13 +246,14 @@ class SlotScheduler:
                 return
             with self._lock:
                 self._waiting -= 1
-                depth = self._waiting
                 job.taken = not job.future.cancelled()
             if not job.taken:
                 self._settle(functools.partial(self.observer.inputs_cancelled, len(job.inputs)), job)
+                self._settle(self._report_depth, job)  # it left the queue: the gauge must say so
                 continue
             if job.deadline is not None and job.deadline <= time.perf_counter():
                 self._settle(self.observer.deadline_missed, job)
+                self._settle(self._report_depth, job)
                 self._resolve(job, DeadlineExceeded("the request's deadline passed while it waited for a slot"))
                 continue
             try:
@@ -261,7 +262,7 @@ class SlotScheduler:
                 log.exception("simulated job failed")
                 self._resolve(job, exc)
                 continue
-            self._resolve(job, result, depth)
+            self._resolve(job, result)
 
     def _serve(self, job: _Job) -> tuple[Embedded, float]:
         started = time.perf_counter()
@@ -274,6 +275,13 @@ class SlotScheduler:
         self.simulation.add_busy(seconds)
         return Embedded(vectors, queue_s=started - job.enqueued, compute_s=finished - started), seconds
 
+    def _report_depth(self) -> None:
+        """The queue depth now (on the event loop): every job that leaves the queue, served or skipped,
+        reports it, so the gauge never keeps a depth from before a skipped job left."""
+        with self._lock:
+            depth = self._waiting
+        self.observer.queue_depth(depth)
+
     @staticmethod
     def _settle(call: Callable[[], None], job: _Job) -> None:
         """Run ``call`` on the job's event loop (the observer is not thread-safe)."""
@@ -282,7 +290,7 @@ class SlotScheduler:
         except RuntimeError:  # the loop is closed
             pass
 
-    def _resolve(self, job: _Job, outcome: tuple[Embedded, float] | BaseException, depth: int = 0) -> None:
+    def _resolve(self, job: _Job, outcome: tuple[Embedded, float] | BaseException) -> None:
         def settle() -> None:
             if job.finished is not None and not job.finished.done():
                 job.finished.set_result(None)
@@ -292,7 +300,7 @@ class SlotScheduler:
                 return
             embedded, seconds = outcome
             self.cost.observe(job.tokens, seconds)
-            self.observer.queue_depth(depth)
+            self._report_depth()
             self.observer.queue_wait(embedded.queue_s)
             self.observer.batch_done(size=len(job.inputs), tokens=job.tokens, padded_tokens=job.tokens,
                                      seconds=embedded.compute_s)
