@@ -64,6 +64,10 @@ class GuardedPlugin:
                                             logger=log)
         self._ids_of: Sequence[EndpointView] | None = None
         self._ids: frozenset[str] = frozenset()
+        self._spent = 0.0  # the plugin's time in the current call
+        # Only a scorer that has favourites offers them (the chain asks every scorer that does, per request).
+        if not callable(getattr(plugin, "favourites", None)):
+            self.favourites = None  # type: ignore[method-assign,assignment]
 
     @property
     def params(self) -> Any:
@@ -97,13 +101,10 @@ class GuardedPlugin:
                                 endpoints)
         if not kept:
             return self._failed("empty", "filter() left no endpoint", endpoints)
-        if endpoints is not self._ids_of:
-            self._ids_of, self._ids = endpoints, frozenset(e.id for e in endpoints)
-        for e in kept:
-            if not isinstance(e, EndpointView) or e.id not in self._ids:
-                shown = e.id if isinstance(e, EndpointView) else repr(e)[:80]
-                return self._failed("unknown_endpoint", f"filter() returned {shown}, which it was not offered",
-                                    endpoints)
+        stranger = self._not_offered(kept, endpoints)
+        if stranger is not None:
+            return self._failed("unknown_endpoint", f"filter() returned {stranger}, which it was not offered",
+                                endpoints)
         return self._passed(kept)
 
     def score(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[float]:
@@ -120,14 +121,26 @@ class GuardedPlugin:
         return self._passed(scores)
 
     def favourites(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Iterable[EndpointView]:
-        method = getattr(self.inner, "favourites", None)
-        if method is None or self.suspended:
+        if self.suspended:
             return ()
         try:
-            found = [e for e in method(request, endpoints) if isinstance(e, EndpointView)]
+            found = list(self.inner.favourites(request, endpoints))
         except Exception as exc:
             return self._failed("error", plugins.describe_exception(exc), ())
+        stranger = self._not_offered(found, endpoints)
+        if stranger is not None:  # the sample must never gain an endpoint the filters did not leave
+            return self._failed("unknown_endpoint", f"favourites() returned {stranger}, which it was not offered",
+                                ())
         return found
+
+    def _not_offered(self, answer: Iterable[object], endpoints: Sequence[EndpointView]) -> str | None:
+        """The first of ``answer`` that is not one of ``endpoints`` (shown), or None."""
+        if endpoints is not self._ids_of:
+            self._ids_of, self._ids = endpoints, frozenset(e.id for e in endpoints)
+        for e in answer:
+            if not isinstance(e, EndpointView) or e.id not in self._ids:
+                return e.id if isinstance(e, EndpointView) else repr(e)[:80]
+        return None
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _call(self, method: Callable[..., Any], *args: Any) -> Any:
@@ -154,5 +167,3 @@ class GuardedPlugin:
     def _failed(self, reason: str, detail: str, instead: Any = None) -> Any:
         self.streak.failed(reason, detail, self.observer, f"{self.step} plugin failed; the chain goes on without it")
         return instead
-
-    _spent = 0.0

@@ -29,7 +29,7 @@ partitioned among replicas: d = 2 p99 761 ms, d = 3 483, d = 4 417, d = 8
 353). The sample keeps the favourites of scorers that have them (a sticky
 session's worker).
 
-``Routable`` and ``Partition`` head every chain; see their docstrings.
+``routable`` and ``Partition`` head every chain; see their docstrings.
 """
 
 from __future__ import annotations
@@ -47,24 +47,14 @@ MIN_PARTITION = 32  # endpoints per replica below which every replica samples th
 
 
 # --- the head of every chain ---------------------------------------------------------------------------
+# The router runs these once per EDS view (their answer is the same until EDS changes), before any
+# configured filter.
 
 
-class Routable:
+def routable(fleet: Sequence[EndpointView]) -> tuple[EndpointView, ...]:
     """Only endpoints that are healthy and not draining: Envoy's override_host honours a pick even of a
-    draining or unhealthy host, so nothing else may ever be a candidate. Cached per sequence object (the
-    xDS view hands the same tuple until EDS changes), so a decision does not re-scan a large fleet."""
-
-    name = "routable"
-
-    def __init__(self) -> None:
-        self._seen: Sequence[EndpointView] | None = None
-        self._kept: Sequence[EndpointView] = ()
-
-    def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        if endpoints is not self._seen:
-            self._seen = endpoints
-            self._kept = tuple(e for e in endpoints if e.routable)
-        return self._kept
+    draining or unhealthy host, so nothing else may ever be a candidate."""
+    return tuple(e for e in fleet if e.routable)
 
 
 class Partition:
@@ -78,49 +68,29 @@ class Partition:
     it used to see a tenth plus a stale snapshot and herd with the others
     (simulated, 1,000 workers x 10 replicas at 80%: p99 432 -> 195 ms). An
     empty partition (none routable) falls back to all; one replica never
-    partitions. It reads the whole fleet's size, so it is given it with
-    :meth:`set_fleet` (cached per fleet and input sequence).
+    partitions.
     """
-
-    name = "partition"
 
     def __init__(self) -> None:
         self.partition: tuple[int, int] = (0, 1)  # (our index, replicas)
         self.partitioned = False  # whether the current candidates are narrowed to our partition
-        self._fleet: Sequence[EndpointView] = ()
-        self._seen: Sequence[EndpointView] | None = None
-        self._kept: Sequence[EndpointView] = ()
 
     def set_partition(self, index: int, count: int) -> None:
         if count < 1 or not 0 <= index < count:
             raise ValueError(f"partition index {index} of {count}: need 0 <= index < count")
-        if (index, count) != self.partition:
-            self.partition = (index, count)
-            self._seen = None
+        self.partition = (index, count)
 
-    def set_fleet(self, fleet: Sequence[EndpointView]) -> None:
-        """The whole fleet (routable or not): the partition is of the id-sorted fleet."""
-        if fleet is not self._fleet:
-            self._fleet = fleet
-            self._seen = None
-
-    def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
-        if endpoints is not self._seen:
-            self._seen = endpoints
-            self._kept = self._subset(endpoints)
-        return self._kept
-
-    def _subset(self, routable: Sequence[EndpointView]) -> Sequence[EndpointView]:
+    def narrow(self, fleet: Sequence[EndpointView], candidates: Sequence[EndpointView]) -> Sequence[EndpointView]:
+        """Our partition of ``candidates`` (the routable part of ``fleet``, whose id order defines it)."""
         index, count = self.partition
-        fleet = self._fleet
         self.partitioned = False
         if count > 1 and len(fleet) >= MIN_PARTITION * count:
             ours = set(sorted(e.id for e in fleet)[index::count])
-            mine = tuple(e for e in routable if e.id in ours)
+            mine = tuple(e for e in candidates if e.id in ours)
             if mine:
                 self.partitioned = True
                 return mine
-        return routable
+        return candidates
 
 
 # --- filters ------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from .cost import CostModel
 from .costing import Costing
 from .model import Decision, EndpointView, Reply, RequestView
 from .outstanding import Outstanding
-from .policies import Partition, Routable
+from .policies import Partition, routable
 from .registry import PluginRegistry
 
 
@@ -37,7 +37,6 @@ class Router:
         self.cost = cost if cost is not None else CostModel()
         self.outstanding = outstanding if outstanding is not None else Outstanding(clock=clock)
         self.costing = Costing(self.cost, self.outstanding, clock=clock, **costing_options)
-        self.routable = Routable()
         self.partition = Partition()
         self._fleet: Sequence[EndpointView] | None = None
         self._candidates: Sequence[EndpointView] = ()  # what the head filters leave of the current view
@@ -62,17 +61,16 @@ class Router:
         until :meth:`release`. Plugins' exceptions are contained by their guards; a built-in's propagates
         (the caller counts it and fails open)."""
         if fleet is not self._fleet:
-            self._new_view(request, fleet)
+            self._new_view(fleet)
         outcome = self.chain.decide(request, fleet, self._candidates, self.costing)
         if type(outcome) is Decision:
             self.outstanding.begin(key, outcome.ranked[0], request.tokens, outcome.predicted_s)
         return outcome
 
-    def _new_view(self, request: RequestView, fleet: Sequence[EndpointView]) -> None:
+    def _new_view(self, fleet: Sequence[EndpointView]) -> None:
         """The head filters run once per view (their answer is the same until EDS changes)."""
         self._fleet = fleet
-        self.partition.set_fleet(fleet)
-        self._candidates = self.partition.filter(request, self.routable.filter(request, fleet))
+        self._candidates = self.partition.narrow(fleet, routable(fleet))
         self.costing.new_view(fleet, self._candidates if self.partition.partitioned else fleet)
 
     def learn(self, endpoint: str, tokens: int, seconds: float | None = None, predicted_s: float | None = None,

@@ -34,7 +34,7 @@ in ext_proc.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -308,13 +308,5 @@ def preset_defaults(name: str) -> dict[str, Any]:
     return dataclasses.asdict(preset.params())
 
 
-def user_plugins(spec: ChainSpec) -> Iterable[tuple[Step, PluginRef]]:
-    """The chain's plugins that are not built in, with their step."""
-    for step, refs in (("admit", spec.admit), ("filter", spec.filters), ("scorer", spec.scorers)):
-        for ref in refs:
-            if ref.builtin is None:
-                yield step, ref  # type: ignore[misc]
-
-
 __all__ = ["BUILTIN_PLUGINS", "DEFAULT_PICK_POLICY", "PRESETS", "USER_STEPS", "BuiltinPlugin", "ChainSpec",
-           "PluginRef", "Preset", "chain_spec", "preset_defaults", "user_plugins"]
+           "PluginRef", "Preset", "chain_spec", "preset_defaults"]

@@ -493,3 +493,27 @@ def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: An
             assert h.servicer.router.policy == "round_robin"
 
     asyncio.run(scenario())
+
+
+def test_a_scorers_favourites_cannot_bring_in_an_endpoint_it_was_not_offered() -> None:
+    """The sample keeps a scorer's favourites; a made-up one (unknown to Envoy's pick values) must never
+    become a candidate: before, it was costed and could be picked, and answering the pick then failed."""
+    stranger = endpoint(99)
+
+    class Smuggler:
+        name = "smuggler"
+
+        def favourites(self, request: RequestView, endpoints: Sequence[PickEndpoint]) -> list[PickEndpoint]:
+            return [stranger]
+
+        def score(self, request: RequestView, candidates: Sequence[Candidate]) -> list[float]:
+            return [1.0 if c.endpoint is stranger else 0.0 for c in candidates]
+
+    _wrapper, picker, recorder, _ = contained(Smuggler())
+    chain = picker.router.chain  # sample 2 of the 4: the favourites are kept beside them
+    picker.router.chain = PickChain(chain.policy, chain.admit, chain.filters, Sampler(SampleParams(d=2), Random(1)),
+                                    chain.scorers, chain.picker)
+    for _ in range(5):
+        decision = picker.decide(REQUEST, FLEET)
+        assert decision is not None and stranger.id not in decision.ranked and decision.evaluated == 2
+    assert recorder.failures == [("smuggler", "unknown_endpoint")] * 5
