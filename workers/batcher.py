@@ -30,12 +30,13 @@ import asyncio
 import itertools
 import time
 from collections import deque
-from enum import IntEnum
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
+
+from inferlb_runtime.request_class import Priority
 
 RunBatch = Callable[[list[Sequence[int]]], np.ndarray]
 
@@ -61,14 +62,6 @@ class QueueFull(Exception):
 
 class DeadlineExceeded(Exception):
     """The request's deadline passed before all its inputs had started; the rest never will."""
-
-
-class Priority(IntEnum):
-    """Request classes, best first (the Gateway API Inference Extension's criticality levels)."""
-
-    CRITICAL = 0
-    STANDARD = 1
-    SHEDDABLE = 2
 
 
 @dataclass(eq=False)

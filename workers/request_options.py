@@ -1,29 +1,18 @@
 """What a request's headers say about how to serve it: its priority class and its deadline.
 
-The class is named by the Gateway API Inference Extension's objective header,
-``x-gateway-inference-objective``, with the extension's criticality levels
-as objective names: ``critical``, ``standard`` (the default) and
-``sheddable``. The deadline is a time budget in milliseconds from when the
-worker receives the request: ``x-inferlb-timeout-ms``, or Envoy's
-``x-envoy-expected-rq-timeout-ms`` (set when the route has a timeout); the
-smaller one wins. A budget rather than a wall-clock time needs no clock
-agreement between machines.
+The headers and their parsing are shared with ext_proc
+(``inferlb_runtime/request_class.py``); here a budget becomes a deadline on
+this worker's clock, and a bad header a 400 in OpenAI's shape.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from .batcher import Priority
+from inferlb_runtime.request_class import BadRequestHeader, Priority, parse_budget_s, parse_priority
+
 from .protocol import APIError
-
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
-TIMEOUT_HEADER = "x-inferlb-timeout-ms"
-ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"
-
-PRIORITIES = {p.name.lower(): p for p in Priority}
 
 
 @dataclass(frozen=True)
@@ -34,22 +23,9 @@ class RequestOptions:
 
 def parse_request_options(headers: Mapping[str, str], now: float) -> RequestOptions:
     """The options in ``headers`` (lower-case names), received at ``now``; ``APIError`` 400 naming a bad one."""
-    objective = headers.get(OBJECTIVE_HEADER, "").strip().lower()
-    if objective and objective not in PRIORITIES:
-        raise APIError(400, f"header {OBJECTIVE_HEADER} is {objective!r}; expected one of "
-                       f"{', '.join(PRIORITIES)}", code="invalid_header", param=OBJECTIVE_HEADER)
-    budgets = [_budget_ms(headers, name) for name in (TIMEOUT_HEADER, ENVOY_TIMEOUT_HEADER) if name in headers]
-    deadline = now + min(budgets) / 1000 if budgets else None
-    return RequestOptions(PRIORITIES.get(objective, Priority.STANDARD), deadline)
-
-
-def _budget_ms(headers: Mapping[str, str], name: str) -> float:
-    raw = headers[name].strip()
     try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise APIError(400, f"header {name} is {raw!r}; expected a positive number of milliseconds",
-                       code="invalid_header", param=name)
-    return value
+        priority = parse_priority(headers)
+        budget = parse_budget_s(headers)
+    except BadRequestHeader as exc:
+        raise APIError(400, str(exc), code="invalid_header", param=exc.header) from None
+    return RequestOptions(priority, now + budget if budget is not None else None)
