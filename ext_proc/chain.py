@@ -1,12 +1,19 @@
 """One policy's pick chain, run for one request::
 
-    admit -> filters -> sample -> cost -> scorers -> picker
+    filters -> sample -> cost -> budget -> admit -> scorers -> picker
 
 Built by the registry (``registry.py``) from a policy's configuration
 (``inferlb_runtime/pick_chain.py``); run by the router (``routing.py``),
 which owns what outlives a policy switch (the cost model, the outstanding
 ledger, and the head filters ``routable`` and ``partition`` that every chain
 starts with: the router runs them once per EDS view and hands their result in).
+
+The budget step is the chain's own, not a plugin: a request with a deadline
+(``RequestView.budget_s``) is never sent where its predicted completion
+misses the deadline while another candidate can make it. When none can, all
+stay (the worker answers 504 if it cannot start in time; ext_proc's
+prediction may be wrong). Admit plugins come after it, so that shedding
+judges by the same costed candidates the picker would choose from.
 
 The steps are plain lists read top to bottom, so a decision reads as the
 configuration does. The cost of a decision is the filters' (built-ins cache
@@ -47,22 +54,25 @@ class PickChain:
         """A ranked pick, an admit plugin's reply, or None (nothing routable or nothing ranked: the caller
         fails open to Envoy's weighted fallback, or answers 503 when nothing is routable). ``pool`` is what
         the head filters (routable, partition: the router's, run once per view) left of ``fleet``."""
+        for f in self.filters:
+            if not pool:
+                break
+            pool = f.filter(request, pool)
+        if pool:
+            if self._favouring:
+                keep = [e for s in self._favouring for e in s.favourites(request, pool)]  # type: ignore[attr-defined]
+                pool = self.sampler.sample(pool, keep)
+            else:
+                pool = self.sampler.sample(pool)
+            candidates = costing.candidates(request, pool)
+            if request.budget_s is not None:
+                candidates = within_budget(candidates, request.budget_s)
+        else:
+            candidates = []
         for step in self.admit:
-            reply = step.admit(request, fleet)
+            reply = step.admit(request, candidates)
             if reply is not None:
                 return reply
-        if not pool:
-            return None
-        for f in self.filters:
-            pool = f.filter(request, pool)
-            if not pool:
-                return None
-        if self._favouring:
-            keep = [e for s in self._favouring for e in s.favourites(request, pool)]  # type: ignore[attr-defined]
-            pool = self.sampler.sample(pool, keep)
-        else:
-            pool = self.sampler.sample(pool)
-        candidates = costing.candidates(request, pool)
         if not candidates:
             return None
         single = self._single  # the common case, one scorer of weight 1: its scores are the totals
@@ -84,3 +94,9 @@ class PickChain:
                 totals[i] += weight * s
         return totals
 
+
+
+def within_budget(candidates: list[Candidate], budget_s: float) -> list[Candidate]:
+    """The candidates predicted to complete within ``budget_s``; all of them when none is."""
+    meeting = [c for c in candidates if c.outstanding_s + c.predicted_cost_s <= budget_s]
+    return meeting if meeting else candidates

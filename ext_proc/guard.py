@@ -82,8 +82,8 @@ class GuardedPlugin:
         return self.streak.failures
 
     # -- the steps ---------------------------------------------------------------------------------
-    def admit(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Reply | None:
-        answer = self._call(self.inner.admit, request, endpoints)
+    def admit(self, request: RequestView, candidates: Sequence[Candidate]) -> Reply | None:
+        answer = self._call(self.inner.admit, request, candidates)
         if answer is _FAILED or answer is None:
             return None
         if not isinstance(answer, Reply):

@@ -120,13 +120,16 @@ class _LiveCollector(Collector):
 _HOT_COUNTERS = {
     "fallbacks": (f"{PREFIX}fallbacks", "Requests without a (full) decision, by reason.", "reason", FALLBACK_REASONS),
     "parse_failures": (f"{PREFIX}parse_failures", "Inputs that could not be parsed, by what.", "what",
-                       ("request_body", "server_timing", "orca", "tokens_header")),
+                       ("request_body", "request_headers", "server_timing", "orca", "tokens_header")),
     "responses": (f"{PREFIX}responses", "Upstream responses seen, by status class.", "code", ()),
     "released": (f"{PREFIX}released",
                  "Outstanding entries released: at the response, early (the stream was cancelled or closed "
                  "first: client gone, upstream reset) or on an error.", "how", ("response", "early", "error")),
     "admit_replies": (f"{PREFIX}admit_replies", "Requests an admit plugin answered itself (shed, served from a "
-                      "cache), by the reply's code.", "code", ()),
+                      "cache), by the reply's code (overloaded: a sheddable request shed).", "code",
+                      ("overloaded",)),
+    "deadlines": (f"{PREFIX}deadline_predictions", "Requests with a deadline, by whether their pick's predicted "
+                  "completion meets it (missed: no candidate could).", "predicted", ("met", "missed")),
 }
 MAX_LABELS = 32  # distinct values per hot counter; later ones count as "other" (a plugin names admit codes)
 _DECISION_HELP = ("From the message that completes a request (body or headers) to the answer: token counting, "
@@ -202,7 +205,7 @@ class ExtProcMetrics:
             del self.decision_counts[key]
 
     def count(self, counter: str, label: str) -> None:
-        """``counter``: "fallbacks", "parse_failures", "responses", "released" or "admit_replies"; ``label``: its
+        """``counter``: a key of ``_HOT_COUNTERS`` ("fallbacks", "admit_replies", "deadlines", ...); ``label``: its
         one label's value."""
         counts = self.counts[counter]
         if label not in counts and len(counts) >= MAX_LABELS:

@@ -3,7 +3,7 @@
 A request is decided by a chain (``chain.py``; its configuration is
 ``inferlb_runtime/pick_chain.py``)::
 
-    admit -> filters -> sample -> cost -> scorers -> picker
+    filters -> sample -> cost -> budget -> admit -> scorers -> picker
 
 The values are frozen: a plugin gets a consistent picture and cannot change
 it, and a plugin can be unit-tested with no servers at all. The names match
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+
+from inferlb_runtime.request_class import Priority
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class RequestView:
     model: str | None
     inputs: int  # number of inputs (texts or token arrays)
     headers: Mapping[str, str] = field(default_factory=dict)
+    priority: Priority = Priority.STANDARD  # its class (x-gateway-inference-objective)
+    budget_s: float | None = None  # seconds left before its deadline, at the decision; None: no deadline
 
 
 class Candidate(NamedTuple):
@@ -104,11 +108,14 @@ class Decision(NamedTuple):
 
 
 class Admit(Protocol):
-    """Answers a request itself (shed it, serve it from a cache) or lets it through (None)."""
+    """Answers a request itself (shed it, serve it from a cache) or lets it through (None).
+
+    It runs once the candidates are costed, so that it can judge by their predicted completion (shedding);
+    ``candidates`` may be empty (nothing routable: a cache may still answer)."""
 
     name: str
 
-    def admit(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Reply | None: ...
+    def admit(self, request: RequestView, candidates: Sequence[Candidate]) -> Reply | None: ...
 
 
 class Filter(Protocol):

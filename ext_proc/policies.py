@@ -39,9 +39,11 @@ import math
 import random
 from collections.abc import Iterable, Sequence
 
-from inferlb_runtime.pick_chain import CompletionTimeParams, InOrderParams, MaxScoreParams, RotateParams, SampleParams
+from inferlb_runtime.pick_chain import (CompletionTimeParams, InOrderParams, MaxScoreParams, RotateParams,
+                                        SampleParams, ShedParams)
+from inferlb_runtime.request_class import Priority
 
-from .model import Candidate, EndpointView, RequestView
+from .model import Candidate, EndpointView, Reply, RequestView
 
 MIN_PARTITION = 32  # endpoints per replica below which every replica samples the whole fleet
 
@@ -171,6 +173,40 @@ class Sampler:
         return pool
 
 
+# --- admit ------------------------------------------------------------------------------------------
+
+
+class Shed:
+    """Sheds a ``sheddable`` request when even its best candidate is predicted to finish after the SLO.
+
+    Judged per request, by the request's own predicted completion (the work queued there plus its cost),
+    so a short sheddable request still goes through where a long one would not, and the fleet's queues
+    stop growing at about the SLO rather than without bound. Critical and standard requests are never
+    shed here: when the fleet is short, they keep its capacity (the workers serve them first by class).
+    The 429 is answered by ext_proc at once: the request never costs a worker anything.
+    """
+
+    name = "shed"
+    kind = "admit"
+    Params = ShedParams
+
+    def __init__(self, params: ShedParams = ShedParams()) -> None:
+        self.params = params
+        self._slo_s = params.slo_ms / 1000
+
+    def admit(self, request: RequestView, candidates: Sequence[Candidate]) -> Reply | None:
+        if request.priority is not Priority.SHEDDABLE or not candidates:
+            return None
+        best = min(c.outstanding_s + c.predicted_cost_s for c in candidates)
+        if best <= self._slo_s:
+            return None
+        return Reply(429, "overloaded",
+                     f"the fleet is overloaded: this sheddable request is predicted to complete in "
+                     f"{best * 1000:.0f} ms, over the {self.params.slo_ms:g} ms SLO; retry later, or send it as "
+                     "standard or critical (header x-gateway-inference-objective)",
+                     retry_after_s=max(self.params.retry_after_s, math.ceil(best - self._slo_s)))
+
+
 # --- scorers ------------------------------------------------------------------------------------------
 
 
@@ -261,4 +297,4 @@ class InOrder:
 
 
 BUILTIN_CLASSES: dict[str, type] = {cls.name: cls for cls in (  # type: ignore[attr-defined]
-    Rotate, CompletionTime, OutstandingRequests, OutstandingTokens, MaxScore, InOrder)}
+    Shed, Rotate, CompletionTime, OutstandingRequests, OutstandingTokens, MaxScore, InOrder)}

@@ -42,6 +42,7 @@ in a thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -54,10 +55,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from inferlb_runtime.plugins import PolicyAllowlist
+from inferlb_runtime.request_class import (BUDGET_HEADERS, OBJECTIVE_HEADER, BadRequestHeader, Priority,
+                                           parse_budget_s, parse_priority)
 
 from . import wire
 from .metrics import ExtProcMetrics, LiveState
-from .model import Decision, RequestView
+from .model import Decision, Reply, RequestView
 from .outstanding import OutstandingLoad
 from .registry import PluginRegistry
 from .routing import Router
@@ -89,7 +92,7 @@ def _serialize(response: bytes | pb.ProcessingResponse) -> bytes:
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
-    __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s")
+    __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s", "priority", "deadline")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -99,6 +102,8 @@ class _Stream:
         self.pick: str | None = None  # the primary endpoint id, once decided (and counted as outstanding)
         self.tokens = 0
         self.predicted_s = 0.0
+        self.priority = Priority.STANDARD  # x-gateway-inference-objective
+        self.deadline: float | None = None  # time.perf_counter() seconds, from a budget header
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -121,6 +126,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._keys = itertools.count(1)
         self._strip = (settings.pick_header, TOKENS_HEADER, PREDICTED_HEADER)
         self._strip_raw = tuple(name.encode() for name in self._strip)
+        self._class_raw = tuple(name.encode() for name in (OBJECTIVE_HEADER, *BUDGET_HEADERS))
         self._answers = wire.PickAnswers(settings.pick_header, settings.pick_metadata_namespace)
         self._too_large = wire.body_too_large_response(settings.max_body_bytes)
         source.add_listener(self.on_view)
@@ -235,6 +241,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         else:
             strip = []
         stream.headers = wire.RequestHeaders(message, strip)
+        if raw is None or any(name in raw for name in self._class_raw):
+            try:
+                stream.priority = parse_priority(stream.headers)
+                budget = parse_budget_s(stream.headers)
+            except BadRequestHeader as exc:
+                self.metrics.count("parse_failures", "request_headers")
+                return wire.reply_response(Reply(400, "invalid_header", str(exc), type="invalid_request_error"))
+            if budget is not None:
+                stream.deadline = time.perf_counter() + budget
         if message.end_of_stream:  # no body is coming (GET): decide now
             return self._decide(stream, b"", True, strip)
         return wire.request_headers_answer(strip)
@@ -266,6 +281,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self.metrics.count("fallbacks", "estimated_tokens")
             self.metrics.count("parse_failures", "request_body")
         stream.tokens = request.tokens
+        if stream.priority is not Priority.STANDARD or stream.deadline is not None:
+            budget = stream.deadline - time.perf_counter() if stream.deadline is not None else None
+            request = dataclasses.replace(request, priority=stream.priority, budget_s=budget)
         try:
             outcome = self.router.decide(stream.key, request, view.endpoints)
         except Exception:
@@ -286,6 +304,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         stream.pick, stream.predicted_s = decision.ranked[0], decision.predicted_s
         answer = self._answers.answer(headers_phase, pick_option, metadata, request.tokens, decision.predicted_s)
         self.metrics.decision(decision.policy, stream.pick, time.perf_counter() - started)
+        if request.budget_s is not None:
+            self.metrics.count("deadlines", "met" if decision.completion_s <= request.budget_s else "missed")
         if log.isEnabledFor(logging.DEBUG):
             log.debug("decision", extra={"pick": value, "tokens": request.tokens, "estimated": request.estimated,
                                          "predicted_ms": round(decision.predicted_s * 1000, 3),

@@ -2,12 +2,14 @@
 
 A request is decided by a chain of steps (ext_proc/chain.py runs it)::
 
-    admit -> filters -> sample -> cost -> scorers -> picker
+    filters -> sample -> cost -> budget -> admit -> scorers -> picker
 
-* **admit** plugins may answer the request themselves (shed it, serve it from a cache);
 * **filters** narrow the candidates (routable and the replica's partition always come first);
 * **sample** keeps at most ``d`` of them, so that a decision on 10,000 endpoints stays O(d);
 * each survivor is **costed** (predicted service time, outstanding work);
+* a request with a deadline keeps only the candidates predicted to finish within its **budget**, when any is;
+* **admit** plugins may answer the request themselves (shed it, serve it from a cache); they come after
+  the costing because shedding judges by the predicted completion (costing d candidates is microseconds);
 * **scorers** give each candidate a score in [0, 1] (higher is better), summed with the scorers' weights;
 * the **picker** chooses the primary and the retry fallbacks.
 
@@ -52,6 +54,8 @@ MAX_PLUGINS = 16  # per step: a chain is a handful of plugins, not a program
 Fallbacks = Annotated[int, Ge(0), Le(2)]  # retry fallbacks after the primary pick (Endpoint Picker Protocol)
 Seed = Annotated[int, Ge(0), Le(MAX_SEED)] | None  # random seed (tests); null: random
 SampleSize = Annotated[int, Ge(0), Le(1000)]
+SloMs = Annotated[float, Ge(0.0), Le(3_600_000.0)]  # a predicted completion, in ms
+DEFAULT_SLO_MS = 2000.0
 
 
 # --- built-in plugin parameters ---------------------------------------------------------------------
@@ -78,6 +82,15 @@ class CompletionTimeParams:
     """Predicted completion: outstanding work + this request's cost, over weight ** ``weight_exponent``."""
 
     weight_exponent: Annotated[float, Ge(0.0), Le(4.0)] = 0.0
+
+
+@dataclass(frozen=True)
+class ShedParams:
+    """Shed a ``sheddable`` request (429) when even the best candidate's predicted completion is over
+    ``slo_ms``; the client is told to retry after the predicted excess, at least ``retry_after_s``."""
+
+    slo_ms: SloMs = DEFAULT_SLO_MS
+    retry_after_s: Annotated[int, Ge(1), Le(3600)] = 1
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,8 @@ class BuiltinPlugin:
 
 
 BUILTIN_PLUGINS: Mapping[str, BuiltinPlugin] = {p.name: p for p in (
+    BuiltinPlugin("shed", "admit", ShedParams,
+                  "429 for a sheddable request when the best predicted completion is over the SLO"),
     BuiltinPlugin("rotate", "filter", RotateParams, "the next few routable endpoints in turn (round robin)"),
     BuiltinPlugin("completion_time", "scorer", CompletionTimeParams,
                   "least predicted completion time: outstanding work + this request's predicted cost"),
@@ -163,7 +178,20 @@ class _RefParams:
 
 
 @dataclass(frozen=True)
-class LeastCompletionTimeParams:
+class Admission:
+    """What every preset accepts about admission: sheddable requests are shed (429) when the fleet's best
+    predicted completion for them is over ``slo_ms``; 0 turns shedding off. Critical and standard
+    requests are never shed."""
+
+    slo_ms: SloMs = DEFAULT_SLO_MS
+
+
+def _admission(p: Admission) -> tuple[PluginRef, ...]:
+    return (PluginRef("shed", {"slo_ms": p.slo_ms}),) if p.slo_ms > 0 else ()
+
+
+@dataclass(frozen=True)
+class LeastCompletionTimeParams(Admission):
     d: Annotated[int, Ge(1), Le(1000)] = 4  # candidates costed per decision on larger fleets (power-of-d)
     weight_exponent: Annotated[float, Ge(0.0), Le(4.0)] = 0.0  # 0: the cost model alone judges speed; 1: weights
     sample_weighted: bool = False  # sample the d candidates proportionally to weight (else uniformly)
@@ -172,42 +200,42 @@ class LeastCompletionTimeParams:
 
 
 @dataclass(frozen=True)
-class RoundRobinParams:
+class RoundRobinParams(Admission):
     fallbacks: Fallbacks = 2
 
 
 @dataclass(frozen=True)
-class LeastOutstandingParams:
+class LeastOutstandingParams(Admission):
     d: SampleSize = 0  # 0: look at every endpoint; > 0: sample d
     fallbacks: Fallbacks = 2
     seed: Seed = None
 
 
 @dataclass(frozen=True)
-class P2CTokensParams:
+class P2CTokensParams(Admission):
     sample_weighted: bool = True  # sample the two candidates proportionally to weight
     seed: Seed = None
 
 
 def _least_completion_time(p: LeastCompletionTimeParams) -> ChainSpec:
-    return ChainSpec("least_completion_time", sample=SampleParams(p.d, p.sample_weighted, p.seed),
+    return ChainSpec("least_completion_time", admit=_admission(p), sample=SampleParams(p.d, p.sample_weighted, p.seed),
                      scorers=(PluginRef("completion_time", {"weight_exponent": p.weight_exponent}),),
                      picker=PluginRef("max_score", {"fallbacks": p.fallbacks, "seed": p.seed}))
 
 
 def _round_robin(p: RoundRobinParams) -> ChainSpec:
-    return ChainSpec("round_robin", filters=(PluginRef("rotate", {"width": 1 + p.fallbacks}),),
+    return ChainSpec("round_robin", admit=_admission(p), filters=(PluginRef("rotate", {"width": 1 + p.fallbacks}),),
                      picker=PluginRef("in_order", {"fallbacks": p.fallbacks}))
 
 
 def _least_outstanding(p: LeastOutstandingParams) -> ChainSpec:
-    return ChainSpec("least_outstanding", sample=SampleParams(p.d, False, p.seed),
+    return ChainSpec("least_outstanding", admit=_admission(p), sample=SampleParams(p.d, False, p.seed),
                      scorers=(PluginRef("outstanding_requests"),),
                      picker=PluginRef("max_score", {"fallbacks": p.fallbacks, "seed": p.seed}))
 
 
 def _p2c_tokens(p: P2CTokensParams) -> ChainSpec:
-    return ChainSpec("p2c_tokens", sample=SampleParams(2, p.sample_weighted, p.seed),
+    return ChainSpec("p2c_tokens", admit=_admission(p), sample=SampleParams(2, p.sample_weighted, p.seed),
                      scorers=(PluginRef("outstanding_tokens"),),
                      picker=PluginRef("max_score", {"fallbacks": 1, "seed": p.seed}))
 

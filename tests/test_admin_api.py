@@ -357,7 +357,7 @@ def test_policy_listing_switching_and_validation(stack: tuple[ControlPlane, SimW
     policy = admin.ok("GET", "/v1/policy")
     assert policy["weight"]["name"] == "capacity" and policy["weight"]["params"]["max_step"] == 1.5
     assert policy["pick"] == {"name": "least_completion_time",
-                              "params": {"d": 4, "weight_exponent": 0.0, "sample_weighted": False, "fallbacks": 2,
+                              "params": {"slo_ms": 2000.0, "d": 4, "weight_exponent": 0.0, "sample_weighted": False, "fallbacks": 2,
                                          "seed": None}}
     weight_names = {p["name"]: p for p in policy["available"]["weight"]}
     pick_names = {p["name"]: p for p in policy["available"]["pick"]}
@@ -391,7 +391,7 @@ def test_policy_listing_switching_and_validation(stack: tuple[ControlPlane, SimW
             changed = await asyncio.to_thread(admin.ok, "PUT", "/v1/policy", json={
                 "weight": {"name": "equal"}, "pick": {"name": "round_robin", "params": {"fallbacks": 1}}})
             assert changed["weight"] == {"name": "equal", "params": {}}
-            assert changed["pick"] == {"name": "round_robin", "params": {"fallbacks": 1}}
+            assert changed["pick"] == {"name": "round_robin", "params": {"slo_ms": 2000.0, "fallbacks": 1}}
             seen = await ext_proc.wait_for(
                 lambda: (p := _pick_policy_in_eds(ext_proc)) and p["name"] == "round_robin" and p, timeout=10)
             assert seen["params"] == {"fallbacks": 1.0}  # EDS metadata carries it to ext_proc
@@ -422,7 +422,7 @@ def test_the_control_plane_catalogue_matches_ext_procs_pick_policies() -> None:
     extra = {"scorers": [{"plugin": "outstanding_tokens", "weight": 0.5}], "filters": [{"plugin": "rotate"}]}
     chain = registry.build("least_completion_time", pick_catalogue.validate_pick_params("least_completion_time",
                                                                                         extra))
-    assert [type(p).__name__ for p in chain.plugins] == ["Rotate", "CompletionTime", "OutstandingTokens",
+    assert [type(p).__name__ for p in chain.plugins] == ["Shed", "Rotate", "CompletionTime", "OutstandingTokens",
                                                          "MaxScore"]
 
 
