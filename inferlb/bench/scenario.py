@@ -66,8 +66,22 @@ DEFAULT_MIX = (LengthBucket(0.70, 8, 32), LengthBucket(0.25, 64, 128), LengthBuc
 
 
 @dataclass(frozen=True)
+class ClassMix:
+    """Shares of the request classes (``x-gateway-inference-objective``); by default every request is standard."""
+
+    critical: float = 0.0
+    standard: float = 1.0
+    sheddable: float = 0.0
+
+    def shares(self) -> tuple[float, float, float]:
+        """In ``Priority`` order (critical, standard, sheddable)."""
+        return (self.critical, self.standard, self.sheddable)
+
+
+@dataclass(frozen=True)
 class Workload:
     mix: tuple[LengthBucket, ...] = DEFAULT_MIX
+    classes: ClassMix = field(default_factory=ClassMix)
     inputs_per_request: int = 1
     arrival: Literal["poisson", "bursty"] = "poisson"
     # bursty on/off: Poisson at rate * (on_s + off_s) / on_s during "on", nothing during "off"
@@ -134,6 +148,10 @@ class Scenario:
     # end is exact. Calibrated on this host: live minus simulated p50 at 50% load (docs/simulator.md).
     hop_overhead_s: float = 0.003
     ext_proc_overhead_s: float = 0.004
+    # The pick policy's slo_ms in the simulator's ext_proc: sheddable requests predicted to complete
+    # later are shed (429); 0 turns shedding off. The product's default; ``inferlb bench overload``
+    # sets the live one through the admin API.
+    shed_slo_ms: float = 2000.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -160,6 +178,10 @@ def _validate(s: Scenario) -> None:
     need(s.workload.arrival in ("poisson", "bursty"),
          f"workload.arrival must be 'poisson' or 'bursty', got {s.workload.arrival!r}")
     need(s.workload.inputs_per_request >= 1, "workload.inputs_per_request must be >= 1")
+    shares = s.workload.classes.shares()
+    need(all(x >= 0 for x in shares) and abs(sum(shares) - 1.0) < 1e-6,
+         "workload.classes shares (critical, standard, sheddable) must be >= 0 and add up to 1")
+    need(0 <= s.shed_slo_ms <= 3_600_000, "shed_slo_ms must be in [0, 3600000] (0: no shedding)")
     need(s.workload.burst_on_s > 0 and s.workload.burst_off_s >= 0, "burst_on_s must be > 0, burst_off_s >= 0")
     for c in s.configurations:
         need(known_configuration(c),

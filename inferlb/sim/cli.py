@@ -16,6 +16,7 @@ examples:
   inferlb sim                                        the default scenario, every configuration
   inferlb sim --scenario scenarios/sim_scale.toml --configurations envoy_least_request,inferlb_ext_proc
   inferlb sim --workers 10000 --rate 100000 --duration 5 --replicas 10 --json scale.json
+  inferlb sim --scenario scenarios/overload.toml --shed-slo-ms 0     the overload without shedding
   inferlb sim --validate bench-results/default/results.json"""
 
 
@@ -40,6 +41,8 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     sim.add_argument("--scrape-interval", metavar="S", type=float, help="control-plane scrape interval")
     sim.add_argument("--seed", metavar="N", type=int, help="trace and balancer seed (default: the scenario's)")
     sim.add_argument("--no-slowdown", action="store_true", help="skip the slowdown run")
+    sim.add_argument("--shed-slo-ms", metavar="MS", type=float,
+                     help="ext_proc's slo_ms: shed sheddable requests predicted to complete later (0: no shedding)")
     sim.add_argument("--json", metavar="FILE", help="write the RunResults (or, with --validate, the comparison)")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     sim.add_argument("--validate", metavar="BENCH_RESULTS", help="compare with a live bench results.json")

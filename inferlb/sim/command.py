@@ -53,7 +53,8 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
         if scenario.slowdown is not None and scenario.slowdown.worker >= args.workers:
             changes["slowdown"] = replace(scenario.slowdown, worker=0)
     for flag, field_name in (("duration", "duration_s"), ("warmup", "warmup_s"), ("replicas", "ext_proc_replicas"),
-                             ("scrape_interval", "scrape_interval_s"), ("seed", "seed")):
+                             ("scrape_interval", "scrape_interval_s"), ("seed", "seed"),
+                             ("shed_slo_ms", "shed_slo_ms")):
         value = getattr(args, flag)
         if value is not None:
             changes[field_name] = value

@@ -6,6 +6,11 @@ are not pushed at all (the trace is already sorted: the loop takes whichever
 comes first, the next arrival or the heap's top). A completion at the same
 instant as an arrival is processed first (the slot it frees is free).
 
+A balancer's ``pick`` may answer ``SHED`` instead of a worker: the request is
+answered at once (ext_proc's 429) and never reaches a worker. With
+``priorities`` the workers' queues are ``ClassQueue``s (``SimFleet``'s
+``class_aging_s``) and each queued request carries its class.
+
 Event tuples: ``(time, seq, kind, a, b)``; ``seq`` makes ties deterministic.
 ``kind`` 0 is a job completion (``a`` worker, ``b`` request), 1 a call
 (``a`` a callable taking ``now`` and returning the time of its next call or
@@ -27,6 +32,7 @@ from .fleet import SimFleet
 
 _COMPLETE = 0
 _CALL = 1
+SHED = -1  # what ``Balancer.pick`` answers for a request it refuses (no worker serves it)
 
 Tick = Callable[[float], "float | None"]
 
@@ -48,7 +54,9 @@ class Balancer(Protocol):
 
     name: str
 
-    def pick(self, request: int, tokens: int, now: float) -> int: ...
+    def pick(self, request: int, tokens: int, now: float) -> int:
+        """The worker to serve ``request``, or ``SHED``."""
+        ...
 
     def completed(self, request: int, worker: int, now: float, service_s: float, inflight: int) -> None:
         """The response of ``request`` left ``worker``; ``inflight`` is the worker's count including it
@@ -62,7 +70,8 @@ class Balancer(Protocol):
 
 @dataclass(frozen=True)
 class Outcome:
-    """Per request (in trace order): completion time (NaN: never completed) and the serving worker."""
+    """Per request (in trace order): completion time (NaN: never completed; a shed request's is when it was
+    refused) and the serving worker (``SHED`` when refused)."""
 
     finished_at: np.ndarray
     worker: np.ndarray
@@ -85,11 +94,13 @@ class Engine:
         heapq.heappush(self._heap, (when, next(self._seq), _CALL, call, None))
 
     def run(self, send_at: np.ndarray, tokens: np.ndarray, until_s: float,
-            progress: Callable[[int], None] | None = None) -> Outcome:
-        """Serve every request of the trace; stop at ``until_s`` (later completions count as never)."""
+            progress: Callable[[int], None] | None = None, priorities: np.ndarray | None = None) -> Outcome:
+        """Serve every request of the trace; stop at ``until_s`` (later completions count as never).
+        ``priorities``: each request's class, for workers whose queues order by class."""
         n = int(send_at.size)
         send = send_at.tolist()
         toks = tokens.tolist()
+        prio = priorities.tolist() if priorities is not None else None
         finished = [math.nan] * n
         served_by = [-1] * n
         workers = self.fleet.workers
@@ -134,7 +145,7 @@ class Engine:
                 finished[b] = now
                 pending -= 1
                 if w.queue:
-                    nxt = w.queue.popleft()
+                    nxt = w.queue.popleft() if prio is None else w.queue.take(now)
                     s2 = service_s(w, toks[nxt])
                     service[nxt] = s2
                     started_at[nxt] = now
@@ -158,19 +169,24 @@ class Engine:
             t = toks[i]
             a = pick(i, t, now)
             served_by[i] = a
-            w = workers[a]
-            w.inflight += 1
-            pending += 1
-            if w.running < w.slots:
-                s = service_s(w, t)
-                service[i] = s
-                started_at[i] = now
-                w.running += 1
-                w.running_started_sum += now
-                w.queue_wait_count += 1
-                push(heap, (now + s, next(seq), _COMPLETE, a, i))
+            if a == SHED:  # answered at once, by the balancer
+                finished[i] = now
             else:
-                w.queue.append(i)
+                w = workers[a]
+                w.inflight += 1
+                pending += 1
+                if w.running < w.slots:
+                    s = service_s(w, t)
+                    service[i] = s
+                    started_at[i] = now
+                    w.running += 1
+                    w.running_started_sum += now
+                    w.queue_wait_count += 1
+                    push(heap, (now + s, next(seq), _COMPLETE, a, i))
+                elif prio is None:
+                    w.queue.append(i)
+                else:
+                    w.queue.push(i, prio[i], now)
             i += 1
             next_arrival = send[i] if i < n else math.inf
             if progress is not None and i % report_every == 0:

@@ -19,7 +19,11 @@ simulated clock:
   staleness is moot.
 
 When the policy ranks nothing, Envoy's fallback (weighted least_request on the
-same weights) routes the request, as ``failure_mode_allow`` does live.
+same weights) routes the request, as ``failure_mode_allow`` does live. When the
+chain answers itself (its ``shed`` plugin's 429 for a sheddable request), the
+request is ``SHED``: counted, and it never reaches a worker. Each request's
+class (``priorities``, set by the runner from the trace) is in its RequestView,
+as ext_proc reads it from ``x-gateway-inference-objective``.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ext_proc.costing import ORCA_INFLIGHT_KEY
-from ext_proc.model import Decision, EndpointView, RequestView
+from ext_proc.model import Decision, EndpointView, Reply, RequestView
 from ext_proc.registry import PluginRegistry
 from ext_proc.routing import Router
 from inferlb_runtime.pick_chain import DEFAULT_PICK_POLICY, PRESETS
+from inferlb_runtime.request_class import Priority
 
 from .balancers import WeightedLeastRequest
-from .engine import Tick
+from .engine import SHED, Tick
 from .fleet import SimFleet
 
 
@@ -57,6 +62,7 @@ class Replica:
         self.router = Router(PluginRegistry(), policy_name, seeded_params(policy_name, seed, params), clock=clock)
         self.picks = 0
         self.fallbacks = 0
+        self.shed = 0  # requests its chain answered itself (429)
 
 
 class ExtProcBalancer:
@@ -76,7 +82,8 @@ class ExtProcBalancer:
         self._index = {e: i for i, e in enumerate(self._ids)}
         self._endpoints: tuple[EndpointView, ...] = tuple(
             EndpointView(id=e, address=e.rpartition(":")[0], port=int(e.rpartition(":")[2])) for e in self._ids)
-        self._views: dict[tuple[int, int], RequestView] = {}
+        self._views: dict[tuple[int, int, int], RequestView] = {}
+        self.priorities: Sequence[int] | None = None  # per request of the trace; None: all standard
         self._inputs = inputs_per_request
         self._who: dict[int, tuple[Replica, int, float]] = {}  # request -> (replica, tokens, predicted_s)
         self.name = "inferlb_ext_proc" if policy == DEFAULT_PICK_POLICY else f"inferlb_pick:{policy}"
@@ -91,12 +98,17 @@ class ExtProcBalancer:
     def pick(self, request: int, tokens: int, now: float) -> int:
         replica = self.replicas[int(self._rng.random() * len(self.replicas))] if len(self.replicas) > 1 \
             else self.replicas[0]
-        view = self._views.get((tokens, self._inputs))
+        priority = self.priorities[request] if self.priorities is not None else Priority.STANDARD
+        view = self._views.get((tokens, self._inputs, priority))
         if view is None:
-            view = self._views[(tokens, self._inputs)] = RequestView(tokens=tokens * self._inputs, estimated=False,
-                                                                     model=None, inputs=self._inputs)
+            view = self._views[(tokens, self._inputs, priority)] = RequestView(
+                tokens=tokens * self._inputs, estimated=False, model=None, inputs=self._inputs,
+                priority=Priority(priority))
         decision = replica.router.decide(request, view, self._endpoints)
-        if type(decision) is not Decision:  # none ranked (no admit plugin runs here)
+        if type(decision) is Reply:
+            replica.shed += 1
+            return SHED
+        if type(decision) is not Decision:  # none ranked
             replica.fallbacks += 1
             return self.fallback.pick(request, tokens, now)
         replica.picks += 1

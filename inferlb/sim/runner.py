@@ -7,6 +7,13 @@ latency from the scheduled send time to completion, plus the scenario's
 constant hop (and ext_proc) overhead, a timeout when that exceeds ``request_timeout_s``. The slowdown
 run multiplies one worker's speed by ``slowdown.factor`` at ``slowdown.at_s``
 seconds into the measured window (after the warm-up), as the bench does.
+
+With a class mix (``workload.classes``) each request gets its class as the
+live overload bench sends it (``inferlb.bench.classes``), the workers' queues
+order by class, ext_proc sheds by the scenario's ``shed_slo_ms``, and the
+result's ``extra["classes"]`` holds each class's figures. A shed request is a
+non-2xx answer (an error, as the live load generator counts a 429), answered
+after the hop and ext_proc overhead.
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from typing import Any
 import numpy as np
 
 from inferlb.bench.capacity import theoretical_capacity_rps
+from inferlb.bench.classes import is_mixed, trace_classes
 from inferlb.bench.histogram import LatencyHistogram
 from inferlb.bench.results import RunResult
 from inferlb.bench.scenario import PICK_PREFIX, Scenario
 from inferlb.bench.trace import build_trace
+from inferlb_runtime.request_class import Priority
 
 from .balancers import (
     CswrrOrca,
@@ -34,9 +43,9 @@ from .balancers import (
     RoundRobin,
     WeightedLeastRequest,
 )
-from .engine import Balancer, Clock, Engine
+from .engine import SHED, Balancer, Clock, Engine
 from .ext_proc_model import ExtProcBalancer
-from .fleet import LOAD_SAMPLE_PERIOD_S, SimFleet
+from .fleet import LOAD_SAMPLE_PERIOD_S, WORKER_AGING_S, SimFleet
 from .weights import ControlPlaneModel
 
 STEADY, SLOWDOWN = "steady", "slowdown"
@@ -88,6 +97,7 @@ def build_balancer(configuration: str, scenario: Scenario, fleet: SimFleet, engi
         ids = tuple(f"127.0.0.1:{8101 + i}" for i in range(len(fleet)))
         kwargs = {"policy": policy} if policy else {}
         balancer = ExtProcBalancer(fleet, rng, ids, scenario.ext_proc_replicas, clock,
+                                   params={"slo_ms": scenario.shed_slo_ms},
                                    inputs_per_request=scenario.workload.inputs_per_request, **kwargs)
         balancer.name = configuration
         on_weights = balancer.set_eds
@@ -120,7 +130,10 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
         load = rate_rps / capacity
     total_s = scenario.warmup_s + scenario.duration_s
     trace = build_trace(scenario.workload, rate_rps, total_s, scenario.seed)
-    fleet = SimFleet(scenario.fleet, scenario.workload.inputs_per_request)
+    classes = trace_classes(scenario.workload.classes, trace.send_at_s.size, scenario.seed) \
+        if is_mixed(scenario.workload.classes) else None
+    fleet = SimFleet(scenario.fleet, scenario.workload.inputs_per_request,
+                     class_aging_s=WORKER_AGING_S if classes is not None else None)
     clock = Clock()
     rng = random.Random(_seed(scenario, configuration, load, run))
     balancer: Balancer | None = None
@@ -137,6 +150,8 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
     engine = Engine(fleet, balancer, clock)
     for when, call in engine_calls:
         engine.at(when, call)
+    if classes is not None and isinstance(balancer, ExtProcBalancer):
+        balancer.priorities = classes.tolist()
     engine.at(LOAD_SAMPLE_PERIOD_S, lambda now: (fleet.sample_load(now), now + LOAD_SAMPLE_PERIOD_S)[1])
     if run == SLOWDOWN and scenario.slowdown is not None:
         slow = scenario.slowdown
@@ -148,9 +163,9 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
         engine.at(scenario.warmup_s + slow.at_s, slow_down)  # at_s counts from the measured window, as the bench
     until = total_s + scenario.request_timeout_s
     cpu = time.process_time()
-    outcome = engine.run(trace.send_at_s, trace.tokens, until, progress)
+    outcome = engine.run(trace.send_at_s, trace.tokens, until, progress, priorities=classes)
     cpu = time.process_time() - cpu
-    result, raw = _result(scenario, configuration, load, rate_rps, run, trace, outcome, balancer)
+    result, raw = _result(scenario, configuration, load, rate_rps, run, trace, outcome, balancer, classes)
     raw["cpu_s"] = cpu  # not in the RunResult: it would make equal runs differ
     return result, raw
 
@@ -160,21 +175,51 @@ def overhead_s(scenario: Scenario, configuration: str) -> float:
     return scenario.hop_overhead_s + (scenario.ext_proc_overhead_s if _uses_ext_proc(configuration) else 0.0)
 
 
+def _histogram(latency: np.ndarray) -> LatencyHistogram:
+    """The bench's HDR histogram of ``latency`` (seconds), recorded at microsecond resolution."""
+    hist = LatencyHistogram()
+    if latency.size:
+        us = np.clip(np.rint(latency * 1e6), 1, 60_000_000)
+        values, counts = np.unique(us, return_counts=True)
+        for v, c in zip(values.tolist(), counts.tolist()):
+            hist.record(v / 1e6, c)
+    return hist
+
+
+def class_figures(latency: np.ndarray, served: np.ndarray, shed: np.ndarray, classes: np.ndarray,
+                  slo_s: float, duration_s: float) -> dict[str, dict[str, Any]]:
+    """Per class present: sent, completed, shed, timeouts (neither), served p50/p99, the shed answers' p99,
+    and goodput (served within ``slo_s``, per second)."""
+    out: dict[str, dict[str, Any]] = {}
+    for priority in Priority:
+        mine = classes == int(priority)
+        if not mine.any():
+            continue
+        ok = latency[served & mine]
+        refused = latency[shed & mine]
+        s = _histogram(ok).summary()
+        out[priority.name.lower()] = {
+            "sent": int(mine.sum()), "completed": int(ok.size), "shed": int(refused.size),
+            "timeouts": int(mine.sum()) - int(ok.size) - int(refused.size),
+            "p50_s": s.p50_s, "p99_s": s.p99_s,
+            "shed_p99_s": float(np.percentile(refused, 99)) if refused.size else None,
+            "goodput_rps": float((ok <= slo_s).sum()) / duration_s,
+        }
+    return out
+
+
 def _result(scenario: Scenario, configuration: str, load: float, rate_rps: float, run: str, trace, outcome,
-            balancer) -> tuple[RunResult, dict[str, Any]]:  # type: ignore[no-untyped-def]
+            balancer, classes: np.ndarray | None = None) -> tuple[RunResult, dict[str, Any]]:  # type: ignore[no-untyped-def]
     measured = trace.send_at_s >= scenario.warmup_s
     latency = outcome.finished_at[measured] - trace.send_at_s[measured] + overhead_s(scenario, configuration)
     worker = outcome.worker[measured]
     done = np.isfinite(latency) & (latency <= scenario.request_timeout_s)
-    hist = LatencyHistogram()
-    ok = latency[done]
-    if ok.size:
-        us = np.clip(np.rint(ok * 1e6), 1, 60_000_000)
-        values, counts = np.unique(us, return_counts=True)
-        for v, c in zip(values.tolist(), counts.tolist()):
-            hist.record(v / 1e6, c)
+    shed = worker == SHED
+    served = done & ~shed
+    ok = latency[served]
+    hist = _histogram(ok)
     s = hist.summary()
-    spread_counts = np.bincount(worker[done], minlength=len(scenario.fleet.workers))
+    spread_counts = np.bincount(worker[served], minlength=len(scenario.fleet.workers))
     extra: dict[str, Any] = {"events": outcome.events, "capacity_rps": capacity_rps(scenario),
                              "workers": len(scenario.fleet.workers)}
     replicas = getattr(balancer, "replicas", None)
@@ -186,16 +231,23 @@ def _result(scenario: Scenario, configuration: str, load: float, rate_rps: float
         finite = [m for m in mapes if math.isfinite(m)]
         if finite:
             extra["cost_mape"] = round(sum(finite) / len(finite), 4)
+        extra["ext_proc_shed"] = sum(r.shed for r in replicas)  # warm-up included
+    goodput_rps = float((ok <= scenario.slo_s).sum()) / scenario.duration_s
+    extra["goodput_of_capacity"] = goodput_rps / capacity_rps(scenario)
+    if classes is not None:
+        extra["classes"] = class_figures(latency, served, shed, classes[measured], scenario.slo_s,
+                                         scenario.duration_s)
     control = getattr(balancer, "control_plane", None)
     if control is not None and len(control.weights) <= 64:
         extra["weights"] = list(control.weights)
     result = RunResult(
         configuration=configuration, load=round(load, 6), offered_rps=rate_rps, duration_s=scenario.duration_s,
-        sent=int(measured.sum()), completed=int(done.sum()), errors=0, timeouts=int((~done).sum()),
+        sent=int(measured.sum()), completed=int(served.sum()), errors=int(shed.sum()), timeouts=int((~done).sum()),
         p50_s=s.p50_s, p90_s=s.p90_s, p99_s=s.p99_s, p999_s=s.p999_s, mean_s=s.mean_s,
-        goodput_rps=float((ok <= scenario.slo_s).sum()) / scenario.duration_s, slo_s=scenario.slo_s,
+        goodput_rps=goodput_rps, slo_s=scenario.slo_s,
         run=run, source="sim", spread={str(i): int(c) for i, c in enumerate(spread_counts.tolist())},
         cdf=hist.cdf_points(), extra=extra,
     )
-    raw = {"latency": latency, "worker": worker, "tokens": trace.tokens[measured]}
+    raw = {"latency": latency, "worker": worker, "tokens": trace.tokens[measured], "shed": shed,
+           "classes": classes[measured] if classes is not None else None}
     return result, raw
