@@ -1,0 +1,84 @@
+"""Overload through the real stack: a burst saturates slow simulated workers behind Envoy, ext_proc and the
+control plane; sheddable requests get ext_proc's 429 (``overloaded``, Retry-After), critical ones all succeed.
+
+The saturation is made by the workers' slowness, not measured on a clock: the simulated workers cost
+exactly what ext_proc's cost model assumes before it has learnt anything (250 us per token, no fixed
+cost), and every request has ~4,000 tokens, so each costs a simulated second and ext_proc predicts so from
+the first request on. A burst of ``BURST`` critical requests holds ``BURST / 2`` seconds of work on each of
+the two workers, and ext_proc (which counts its own requests in flight exactly) predicts several seconds
+for anything sent on top of it, far over the 1.5 s SLO; on an idle fleet it predicts one second, under it.
+The sheddable requests go out once ext_proc's own metric shows the whole burst in flight (a condition
+waited on); the burst takes seconds to drain, so they meet a full fleet.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from inferlb_runtime.request_class import OBJECTIVE_HEADER
+
+from .conftest import free_port
+from .stack import http, running_control_plane, running_envoy, running_ext_proc, running_sim_workers, sample, wait_for
+from .test_pick_plugins_envoy import admin
+
+pytestmark = pytest.mark.slow
+
+PER_TOKEN_US = 250  # ext_proc's prior cost per token (CostParams.prior_per_token_s), fixed cost 0
+INPUTS = ["word " * 250] * 16  # 16 inputs of 252 tokens: ~1 s of simulated work per request
+BURST = 16  # critical requests: 8 per worker, 8 s to drain
+SHEDDABLE = 4
+SLO_MS = 1500  # over one request's predicted cost, under the burst's
+
+
+def test_a_burst_on_slow_workers_sheds_sheddable_requests_and_serves_every_critical_one(tmp_path: Path) -> None:
+    ext_proc_port = free_port()
+    with ExitStack() as stack:
+        workers = stack.enter_context(running_sim_workers(
+            tmp_path, 2, args=("--sim-fixed-ms", "0", "--sim-per-token-us", str(PER_TOKEN_US))))
+        cp = stack.enter_context(running_control_plane(tmp_path, endpoints=[w.id for w in workers],
+                                                       ext_proc_port=ext_proc_port))
+        ext_proc = stack.enter_context(running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port))
+        envoy = stack.enter_context(running_envoy(tmp_path, xds_port=cp.xds_port, node_id="envoy-overload"))
+        procs = [cp.proc, ext_proc.proc, envoy.proc, *(w.proc for w in workers)]
+        ids = {w.id for w in workers}
+        wait_for(lambda: envoy.healthy_hosts() == ids, 30, "Envoy to see every worker healthy", procs)
+        response = admin(cp, "PUT", "/v1/policy", {"pick": {"name": "least_completion_time",
+                                                            "params": {"slo_ms": SLO_MS}}})
+        assert response.status_code == 200, response.text
+        wait_for(lambda: sample(ext_proc.metrics(), "inferlb_ext_proc_policy_switches_total", result="switched") == 1,
+                 30, "ext_proc to take the SLO", procs)
+        url = f"http://127.0.0.1:{cp.listener_port}/v1/embeddings"
+
+        def post(objective: str) -> httpx.Response:
+            with http() as client:
+                return client.post(url, json={"input": INPUTS}, headers={OBJECTIVE_HEADER: objective},
+                                   timeout=120)
+
+        with ThreadPoolExecutor(max_workers=BURST + SHEDDABLE) as pool:
+            # Idle fleet: sheddable requests are served.
+            for _ in range(2):
+                idle = list(pool.map(post, ["sheddable"] * 2))
+                assert [r.status_code for r in idle] == [200, 200], [r.text for r in idle]
+            assert {r.headers.get("x-inferlb-endpoint") for r in idle} <= ids
+            wait_for(lambda: ext_proc.outstanding() == 0, 30, "ext_proc to see the idle requests answered", procs)
+
+            critical = [pool.submit(post, "critical") for _ in range(BURST)]
+            wait_for(lambda: ext_proc.outstanding() >= BURST, 30, "the burst to be in flight", procs)
+            shed = list(pool.map(post, ["sheddable"] * SHEDDABLE))
+            answered = [f.result(timeout=120) for f in critical]
+
+        for response in shed:
+            assert response.status_code == 429, response.text
+            assert int(response.headers["retry-after"]) >= 1
+            assert response.headers["content-type"] == "application/json"
+            error = response.json()["error"]
+            assert error["code"] == "overloaded" and error["type"] == "server_error", error
+            assert "x-inferlb-endpoint" not in response.headers  # ext_proc answered: no worker saw it
+        assert [r.status_code for r in answered] == [200] * BURST, [r.text for r in answered if r.status_code != 200]
+        assert {r.headers.get("x-inferlb-endpoint") for r in answered} == ids  # the burst filled both workers
+        assert sample(ext_proc.metrics(), "inferlb_ext_proc_admit_replies_total", code="overloaded") == SHEDDABLE
