@@ -2,7 +2,8 @@
 
 ``inferlb bench load`` (one open-loop load against a URL) lives in
 ``load_command.py``; ``inferlb bench run`` (a scenario against every data-plane
-configuration) in ``run_command.py``; the component benchmarks ``inferlb bench
+configuration) in ``run_command.py``; ``inferlb bench overload`` (issue 13's
+classes and shedding) in ``overload.py``; the component benchmarks ``inferlb bench
 worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/`` and ``ext-proc`` in
 ``ext_proc_bench/``. Each keeps heavy imports (matplotlib, the model, the
 services) inside its ``main`` so that ``inferlb --help`` stays fast.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import load_command, run_command, worker_bench
+from . import load_command, overload, run_command, worker_bench
 from .ext_proc_bench import command as ext_proc_command
 from .xds_bench import command as xds_command
 
@@ -33,6 +34,10 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                               description=run_command.DESCRIPTION)
     run_command.add_arguments(run)
     run.set_defaults(func=run_command.main)
+    over = commands.add_parser("overload", help="130%% of capacity in three classes, with shedding and without",
+                               description=overload.DESCRIPTION)
+    overload.add_arguments(over)
+    over.set_defaults(func=overload.main)
     worker = commands.add_parser("worker", help="the worker: raw ONNX Runtime vs HTTP, batching, int8 vs fp32",
                                  description=worker_bench.DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

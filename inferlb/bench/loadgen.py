@@ -65,6 +65,7 @@ class LoadOutcome:
     timeouts: int = 0
     warmup_sent: int = 0
     statuses: Counter[int] = field(default_factory=Counter)  # HTTP status -> answers (measured)
+    refused: LatencyHistogram = field(default_factory=LatencyHistogram)  # non-2xx answers: how fast they came
     error_kinds: Counter[str] = field(default_factory=Counter)  # exception class -> count (measured)
     spread: Counter[str] = field(default_factory=Counter)  # worker id -> 2xx answers (measured)
     send_lag_p50_s: float = 0.0
@@ -245,6 +246,7 @@ def _record(outcome: LoadOutcome, status: int | None, error: str | None, worker:
     outcome.statuses[status] += 1
     if not 200 <= status < 300:
         outcome.errors += 1
+        outcome.refused.record(latency_s)
         return
     outcome.completed += 1
     outcome.spread[worker] += 1
