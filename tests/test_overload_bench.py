@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from inferlb.bench.classes import trace_classes
-from inferlb.bench.overload import render, run_figures, verdicts
+from inferlb.bench.overload_report import render, run_figures, verdicts
 from inferlb.bench.scenario import load_scenario
 from inferlb.bench.trace import build_trace
 

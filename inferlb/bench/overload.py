@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
     from .scenario import Scenario
 
 DEFAULT_SCENARIO = Path(__file__).resolve().parents[2] / "scenarios" / "overload.toml"
-SHED_P99_TARGET_S = 0.005
-GOODPUT_TARGET = 0.95
 QUICK = {"duration_s": 6.0, "warmup_s": 2.0}
+CONFIGURATION = "inferlb_ext_proc"  # the bench's capacity configuration: the stack the overload runs on
+SIM_TIMEOUT_S = 600.0
 
 DESCRIPTION = """\
 Issue 13's overload benchmark. Measures capacity (p99 crossing the SLO, all requests standard, under
@@ -69,84 +70,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-# --- figures ------------------------------------------------------------------------------------
-
-
-def run_figures(name: str, source: str, offered_rps: float, capacity_rps: float, slo_s: float,
-                classes: dict[str, dict[str, Any]], duration_s: float) -> dict[str, Any]:
-    """One run's headline figures from its per-class ones (same keys live and simulated)."""
-    goodput = sum(c["goodput_rps"] for c in classes.values())
-    critical = classes.get("critical", {})
-    sheddable = classes.get("sheddable", {})
-    return {
-        "run": name, "source": source, "offered_rps": round(offered_rps, 2), "capacity_rps": round(capacity_rps, 2),
-        "slo_s": slo_s, "duration_s": duration_s,
-        "critical_p99_s": critical.get("p99_s"), "critical_errors": critical.get("errors", 0),
-        "standard_p99_s": classes.get("standard", {}).get("p99_s"),
-        "shed": sheddable.get("shed", 0), "shed_p99_s": sheddable.get("shed_p99_s"),
-        "goodput_rps": round(goodput, 2), "goodput_of_capacity": round(goodput / capacity_rps, 4),
-        "classes": classes,
-    }
-
-
-def sim_classes(extra: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The simulator's per-class figures with ``errors`` (it has no errors but timeouts)."""
-    return {name: {**c, "errors": c["timeouts"]} for name, c in extra["classes"].items()}
-
-
-def verdicts(run: dict[str, Any]) -> dict[str, bool | None]:
-    """Each target met or not (None: nothing to judge; the simulator's 429 time is its constant overheads)."""
-    critical = run["critical_p99_s"]
-    shed_p99 = run["shed_p99_s"] if run["source"] == "live" else None
-    return {
-        "critical_within_slo": None if critical is None else critical <= run["slo_s"] and run["critical_errors"] == 0,
-        "shed_429_within_5ms": None if shed_p99 is None else shed_p99 <= SHED_P99_TARGET_S,
-        "goodput_95pct": run["goodput_of_capacity"] >= GOODPUT_TARGET,
-    }
-
-
-def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
-
-
-def render(report: dict[str, Any]) -> str:
-    lines = [f"# inferlb bench overload: {report['scenario']}", "",
-             f"Capacity {report['capacity']['rps']:.1f} req/s ({report['capacity']['source']}); load "
-             f"{report['load']:.0%}; classes {report['classes']}; SLO {report['slo_s'] * 1000:.0f} ms; ext_proc "
-             f"slo_ms {report['shed_slo_ms']:g} with shedding, 0 for the baseline.", "",
-             "| run | source | offered req/s | critical p99 ms | critical errors | standard p99 ms | shed (429) "
-             "| 429 p99 ms | goodput/s | goodput / capacity | targets |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for run in report["runs"]:
-        v = verdicts(run)
-        marks = ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in v.items() if ok is not None)
-        lines.append(f"| {run['run']} | {run['source']} | {run['offered_rps']:.1f} | {ms(run['critical_p99_s'])} "
-                     f"| {run['critical_errors']} | {ms(run['standard_p99_s'])} | {run['shed']} "
-                     f"| {ms(run['shed_p99_s'])} | {run['goodput_rps']:.1f} | {run['goodput_of_capacity']:.0%} "
-                     f"| {marks} |")
-    lines += ["", "Per class (served p50/p99; errors: non-2xx other than the sheddable 429s, and timeouts)", "",
-              "| run | source | class | sent | served | p50 ms | p99 ms | shed | errors | goodput/s |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for run in report["runs"]:
-        for name, c in run["classes"].items():
-            lines.append(f"| {run['run']} | {run['source']} | {name} | {c['sent']} | {c['completed']} "
-                         f"| {ms(c['p50_s'])} | {ms(c['p99_s'])} | {c['shed']} | {c['errors']} "
-                         f"| {c['goodput_rps']:.1f} |")
-    return "\n".join(lines) + "\n"
-
-
-def simulated_runs(scenario: Scenario, load: float, capacity_rps: float) -> list[dict[str, Any]]:
-    """The same scenario in ``inferlb sim`` at the measured capacity, with and without shedding."""
-    from inferlb.sim.runner import simulate
-
-    from .runner import CAPACITY_CONFIGURATION
+def simulated_runs(scenario_file: Path, scenario: Scenario, rate_rps: float, capacity_rps: float,
+                   work_dir: Path) -> list[dict[str, Any]]:
+    """The same scenario through ``inferlb sim`` (its own process) at the live rate, with and without shedding."""
+    from .overload_report import run_figures, sim_classes
 
     runs = []
     for name, slo_ms in (("shedding", scenario.shed_slo_ms), ("baseline", 0.0)):
-        s = dataclasses.replace(scenario, capacity_rps=capacity_rps, shed_slo_ms=slo_ms)
-        result, _ = simulate(s, CAPACITY_CONFIGURATION, load)
-        runs.append(run_figures(name, "sim", result.offered_rps, capacity_rps, s.slo_s,
-                                sim_classes(dict(result.extra)), s.duration_s))
+        out = work_dir / f"sim-{name}.json"
+        argv = [sys.executable, "-m", "inferlb.cli", "sim", "--scenario", str(scenario_file), "--rate", str(rate_rps),
+                "--duration", str(scenario.duration_s), "--warmup", str(scenario.warmup_s),
+                "--configurations", CONFIGURATION, "--shed-slo-ms", str(slo_ms), "--no-slowdown",
+                "--no-progress", "--json", str(out)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=SIM_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"inferlb sim failed ({done.returncode}): {done.stderr.strip()}")
+        (result,) = json.loads(out.read_text())
+        runs.append(run_figures(name, "sim", result["offered_rps"], capacity_rps, scenario.slo_s,
+                                sim_classes(result["extra"]), scenario.duration_s))
     return runs
 
 
@@ -172,6 +113,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
 def main(args: argparse.Namespace) -> int:
     from .classes import is_mixed
     from .overload_live import OverloadRunner
+    from .overload_report import render
     from .run_command import _run
     from .runner import find_envoy
     from .scenario import ScenarioError
@@ -203,7 +145,11 @@ def main(args: argparse.Namespace) -> int:
     runs = live["runs"]
     if not args.no_sim:
         print("simulating the same scenario (inferlb sim)", file=sys.stderr, flush=True)
-        runs += simulated_runs(scenario, load, float(live["capacity"]["rps"]))
+        capacity = float(live["capacity"]["rps"])
+        try:
+            runs += simulated_runs(args.scenario, scenario, load * capacity, capacity, out)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            print(f"inferlb bench overload: the simulation failed: {exc}", file=sys.stderr)
     mix = scenario.workload.classes
     report = {"scenario": scenario.name, "load": load, "slo_s": scenario.slo_s, "shed_slo_ms": scenario.shed_slo_ms,
               "classes": f"{mix.critical:.0%} critical / {mix.standard:.0%} standard / {mix.sheddable:.0%} sheddable",

@@ -15,7 +15,7 @@ from inferlb_runtime.request_class import Priority
 
 from .classes import class_headers, trace_classes
 from .loadgen import LoadOutcome, run_load
-from .overload import ms, run_figures
+from .overload_report import ms, run_figures
 from .processes import ProcessGroup
 from .runner import CAPACITY_CONFIGURATION, ScenarioRunner
 from .trace import Trace
