@@ -14,6 +14,7 @@ from inferlb_runtime.pick_chain import DEFAULT_PICK_POLICY
 from inferlb_runtime.request_class import Priority
 
 from .classes import class_headers, trace_classes
+from .dataplanes import DataPlanePlan
 from .loadgen import LoadOutcome, run_load
 from .overload_report import ms, run_figures
 from .processes import ProcessGroup
@@ -39,7 +40,7 @@ def live_class_figures(outcome: LoadOutcome) -> dict[str, Any]:
 class OverloadRunner(ScenarioRunner):
     """The scenario runner's fleet, data plane and capacity search, driven for the overload runs."""
 
-    async def _switch_slo(self, client: httpx.AsyncClient, plan: Any, slo_ms: float) -> None:
+    async def _switch_slo(self, client: httpx.AsyncClient, plan: DataPlanePlan, slo_ms: float) -> None:
         """Set the pick policy's slo_ms through the control plane's admin API; wait until ext_proc took it."""
         before = await self._switches(client, plan)
         response = await client.put(f"{plan.control_plane_url}/v1/policy",
@@ -54,12 +55,12 @@ class OverloadRunner(ScenarioRunner):
             await asyncio.sleep(0.1)
 
     @staticmethod
-    async def _switches(client: httpx.AsyncClient, plan: Any) -> float:
+    async def _switches(client: httpx.AsyncClient, plan: DataPlanePlan) -> float:
         text = (await client.get(f"{plan.ext_proc_metrics_url}/metrics")).text
         return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                    if s.name == "inferlb_ext_proc_policy_switches_total" and s.labels.get("result") == "switched")
 
-    async def _classes_run(self, group: ProcessGroup, client: httpx.AsyncClient, plan: Any,
+    async def _classes_run(self, group: ProcessGroup, client: httpx.AsyncClient, plan: DataPlanePlan,
                            rps: float) -> dict[str, dict[str, Any]]:
         """The trace at ``rps``, each class by its own generator, concurrently; figures per class."""
         s = self.scenario
