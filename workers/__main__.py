@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import WorkerConfig, load_config
+from .queue_order import QueueOrder, Scheduling
 from .simulated import (
     DEFAULT_FIXED_S,
     DEFAULT_PER_TOKEN_S,
@@ -46,6 +47,12 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, help="padded tokens per batch (default 512)")
     p.add_argument("--max-batch-size", type=int, help="inputs per batch (default 64)")
     p.add_argument("--max-batch-wait-ms", type=float, help="cap of the adaptive batch window (default 5)")
+    p.add_argument("--scheduling", choices=["las", "round_robin", "fifo"],
+                   help="order of waiting requests within a class: las (least attained service: the least-served "
+                        "request gets the next batch), round_robin (one batch each in turn) or fifo (arrival "
+                        "order, whole requests); default las")
+    p.add_argument("--aging", dest="aging_s", type=float,
+                   help="seconds a waiting request takes to climb one priority class (default 2)")
     p.add_argument("--max-inputs", type=int, help="inputs per request (default 2048)")
     p.add_argument("--max-request-tokens", type=int,
                    help="tokens per request, all inputs together (default 16384, about 2 s on one core)")
@@ -56,8 +63,8 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     sim = p.add_argument_group(
         "simulation",
-        "--simulate replaces the model with dummy unit vectors and a timed wait: requests queue FIFO for "
-        "--sim-slots slots, one request per slot, each taking (fixed + per_token * its tokens) * cost_scale / speed "
+        "--simulate replaces the model with dummy unit vectors and a timed wait: requests queue in class order "
+        "(then arrival) for --sim-slots slots, one request per slot, each taking (fixed + per_token * its tokens) * cost_scale / speed "
         "seconds (speed read when it starts). Everything else (API, tokenisation, metrics, ORCA) is real. "
         "For emulating a heterogeneous fleet on one machine. GET/PUT /v1/simulation reads/sets the speed.",
     )
@@ -73,7 +80,7 @@ def _serve_parser() -> argparse.ArgumentParser:
                      help="multiply both simulated costs, e.g. to make the emulated fleet, not the host, the "
                           "bottleneck (default 1)")
     sim.add_argument("--sim-slots", type=int, default=1, metavar="K",
-                     help="requests served at once; the rest wait FIFO (default 1)")
+                     help="requests served at once; the rest wait in class order (default 1)")
     return p
 
 
@@ -124,7 +131,8 @@ def build_simulated_service(config: WorkerConfig, simulation: Simulation, slots:
 
     def scheduler(metrics):  # type: ignore[no-untyped-def]
         return SlotScheduler(simulation, slots=slots, observer=metrics, max_queue_items=config.max_queue_items,
-                             dimensions=model.dimensions)
+                             dimensions=model.dimensions,
+                             order=QueueOrder(Scheduling(config.scheduling), config.aging_s))
 
     # Utilisation is busy slot time over the K slots: 1.0 means every slot is always busy.
     return EmbeddingService(config, model, tokenizer, lambda: SimulatedEngine(simulation, model.dimensions),

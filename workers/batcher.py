@@ -9,13 +9,15 @@ Why this shape:
 - Padding short inputs to long ones costs up to 27x here, so a batch is built
   around one input (the anchor) from inputs of similar length, while real
   tokens stay >= ``min_fill`` of the padded tokens.
-- The anchor comes from the request that has had the least service so far
-  (padded tokens computed for it), within the best priority class: a request
-  of 2,048 inputs gets one batch, then a one-sentence request that arrived
-  meanwhile gets the next, instead of waiting for all 2,048 (least attained
-  service: short requests finish first without anyone knowing sizes ahead).
-  Classes are strict, but a request that has waited ``aging_s`` since its
-  last batch climbs one class per ``aging_s``: nothing starves.
+- The anchor comes from the first request in ``workers.queue_order``'s
+  order (shared with the simulated worker and the fleet simulator): the best
+  priority class, a class climbing one per ``aging_s`` waited so nothing
+  starves, then by default the request that has had the least service so far
+  (padded tokens computed for it): a request of 2,048 inputs gets one batch,
+  then a one-sentence request that arrived meanwhile gets the next, instead
+  of waiting for all 2,048 (least attained service: short requests finish
+  first without anyone knowing sizes ahead). ``round_robin`` and ``fifo``
+  (the old oldest-input-first) are the alternatives it was measured against.
 - A request whose client has gone is dropped from the queue at once; one
   whose deadline has passed never starts another input.
 - An optional extra wait (the adaptive window) follows BentoML's model: batch
@@ -37,6 +39,8 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from inferlb_runtime.request_class import Priority
+
+from .queue_order import AGING_S, QueueOrder, Scheduling
 
 RunBatch = Callable[[list[Sequence[int]]], np.ndarray]
 
@@ -84,9 +88,10 @@ class _Request:
     waiting_since: float  # arrival, then the end of its last batch: aging counts from here
     attained: int = 0  # padded tokens computed for it so far
 
-    def rank(self, now: float, aging_s: float) -> int:
-        """Its class, improved by one per ``aging_s`` waited since it was last served (never past critical)."""
-        return max(0, int(self.priority) - int((now - self.waiting_since) / aging_s))
+    def key(self, order: QueueOrder, now: float) -> tuple[float, ...]:
+        """Where it stands in ``order`` at ``now`` (smallest first)."""
+        return order.key(priority=int(self.priority), waiting_since=self.waiting_since, attained=self.attained,
+                         seq=self.seq, now=now)
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,8 @@ class MicroBatcher:
     max_wait_s: float = 0.005
     max_queue_items: int = 8192
     min_fill: float = 0.75
-    aging_s: float = 2.0
+    aging_s: float = AGING_S
+    scheduling: Scheduling = Scheduling.LAS
     cost: BatchCostModel = field(default_factory=BatchCostModel)
     _pending: list[_Request] = field(default_factory=list)  # in arrival order
     _queued: int = 0  # inputs in _pending
@@ -157,6 +163,10 @@ class MicroBatcher:
     _busy: bool = False
     _running: asyncio.Future[None] | None = None  # done when the batch on the inference thread ends
     _running_items: frozenset[int] = frozenset()  # id() of that batch's items
+    _order: QueueOrder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._order = QueueOrder(Scheduling(self.scheduling), self.aging_s)
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> None:
@@ -293,21 +303,21 @@ class MicroBatcher:
                 self._pending.remove(request)
 
     def _take_batch(self) -> list[_Item]:
-        """An anchor input from the least-served request of the best class, plus the queued inputs nearest
-        its length that fit (from any request: the spare room of a batch costs no one a turn)."""
+        """An anchor input from the first request in the queue order, plus the queued inputs nearest its
+        length that fit (from any request: the spare room of a batch costs no one a turn)."""
         now = time.perf_counter()
         self._expire(now)
         if not self._pending:
             return []
-        owner = min(self._pending, key=lambda r: (r.rank(now, self.aging_s), r.attained, r.seq))
+        keys = {request: request.key(self._order, now) for request in self._pending}
+        owner = min(self._pending, key=keys.__getitem__)
         anchor = owner.items[0]
         anchor_len = len(anchor.tokens)
         # At most a batch's worth from each request: a request of 2,048 inputs is not scanned whole.
         candidates = sorted(
             ((item, request) for request in self._pending
              for item in itertools.islice(request.items, 1 if request is owner else 0, self.max_batch_size)),
-            key=lambda pair: (abs(len(pair[0].tokens) - anchor_len), pair[1].rank(now, self.aging_s),
-                              pair[1].attained),
+            key=lambda pair: (abs(len(pair[0].tokens) - anchor_len), keys[pair[1]]),
         )
         batch, taken = [anchor], {owner: 1}
         real = lo = hi = anchor_len

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 Precision = Literal["int8", "fp32"]
+SCHEDULINGS = ("las", "round_robin", "fifo")  # workers.queue_order.Scheduling's values
 
 ENV_PREFIX = "INFERLB_WORKER_"
 
@@ -41,6 +42,10 @@ class WorkerConfig:
     max_batch_tokens: int = 512
     max_batch_size: int = 64
     max_batch_wait_ms: float = 5.0
+    # The order of waiting requests within a class (workers/queue_order.py): las (least attained service),
+    # round_robin, or fifo (arrival order, the old batcher); a class climbs one per aging_s waited.
+    scheduling: str = "las"
+    aging_s: float = 2.0
     # Request limits.
     max_inputs: int = 2048
     # Tokens one request may bring (all inputs, after truncation): about 2 s of work on one core
@@ -63,7 +68,9 @@ class WorkerConfig:
                      "max_request_tokens", "max_body_bytes", "max_queue_items"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("cpus", "shutdown_timeout_s"):
+        if self.scheduling not in SCHEDULINGS:
+            problems.append(f"scheduling must be one of {', '.join(SCHEDULINGS)}, got {self.scheduling!r}")
+        for name in ("cpus", "shutdown_timeout_s", "aging_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_batch_wait_ms < 0:

@@ -20,6 +20,7 @@ from .batcher import BatchCostModel, DeadlineExceeded, Embedded, MicroBatcher, P
 from .config import WorkerConfig
 from .metrics import WorkerMetrics
 from .protocol import APIError, EmbeddingsRequest, embeddings_response, parse_embeddings_request
+from .queue_order import Scheduling
 from .request_options import RequestOptions
 
 log = logging.getLogger("inferlb.worker")
@@ -103,6 +104,8 @@ class EmbeddingService:
             max_batch_size=config.max_batch_size,
             max_wait_s=config.max_batch_wait_ms / 1000.0,
             max_queue_items=config.max_queue_items,
+            aging_s=config.aging_s,
+            scheduling=Scheduling(config.scheduling),
         )
         # Names this worker in every answer, so a client behind any balancer can tell who served it.
         self.identity = f"{_advertised_host(config.host)}:{config.port}"

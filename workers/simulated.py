@@ -7,8 +7,9 @@ vectors). So one machine can hold a heterogeneous fleet of 8-16 workers, and a
 test or a benchmark can slow one down at run time (a noisy neighbour,
 throttling).
 
-Requests are served by ``SlotScheduler``: FIFO on ``K`` slots (``--sim-slots``),
-one request is one job, no batching across requests, and a job of ``n``
+Requests are served by ``SlotScheduler`` on ``K`` slots (``--sim-slots``), in
+the workers' queue order (``workers.queue_order``: class with aging, then
+arrival), one request is one job, no batching across requests, and a job of ``n
 tokens (all its inputs together, unpadded) takes exactly
 ``(fixed + per_token * n) / speed`` seconds, with the speed read when the job
 starts. That is the queueing model the fleet simulator (``inferlb sim``)
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import queue
 import threading
 import time
 import zlib
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batcher import BatchCostModel, BatchObserver, DeadlineExceeded, Embedded, Priority, QueueFull
+from .queue_order import JobQueue, QueueOrder
 
 log = logging.getLogger("inferlb.worker")
 
@@ -142,28 +143,28 @@ class _Job:
     future: asyncio.Future[Embedded]
     loop: asyncio.AbstractEventLoop
     enqueued: float
+    priority: Priority = Priority.STANDARD
     deadline: float | None = None  # perf_counter seconds
     taken: bool = False  # a slot is serving it (set under the scheduler's lock)
     finished: asyncio.Future[None] | None = None  # done when its slot is through with it
 
 
-_STOP = None  # the sentinel a slot thread exits on
-
-
 class SlotScheduler:
-    """FIFO queue served on ``slots`` slots; one request is one job of ``(fixed + per_token * tokens) / speed``.
+    """A queue in the workers' order served on ``slots`` slots; one request is one job of
+    ``(fixed + per_token * tokens) / speed``.
 
     Stands in for the service's ``MicroBatcher`` (same ``start``/``stop``/
     ``embed``/``queued``/``cost``). Each slot is a thread that takes the next
-    job from a thread-safe FIFO and sleeps until the job's end, so the next
-    job starts the moment a slot frees, without a hop through the event loop,
-    and service times keep ``time.sleep``'s precision rather than the event
-    loop's millisecond timers. ``queued`` counts requests waiting for a slot
-    (the ORCA ``queue``); metrics keep their shape (one "batch" per job).
+    job (``JobQueue``, under a condition variable) and sleeps until the job's
+    end, so the next job starts the moment a slot frees, without a hop through
+    the event loop, and service times keep ``time.sleep``'s precision rather
+    than the event loop's millisecond timers. ``queued`` counts requests
+    waiting for a slot (the ORCA ``queue``); metrics keep their shape (one
+    "batch" per job).
     """
 
     def __init__(self, simulation: Simulation, *, slots: int, observer: BatchObserver,
-                 max_queue_items: int = 8192, dimensions: int = 384) -> None:
+                 max_queue_items: int = 8192, dimensions: int = 384, order: QueueOrder | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.simulation = simulation
@@ -172,13 +173,15 @@ class SlotScheduler:
         self.max_queue_items = max_queue_items
         self.dimensions = dimensions
         self.cost = BatchCostModel()
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._waiting = 0  # jobs submitted and not yet taken by a slot (under _lock)
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a job was queued, or the slots must stop
+        self._jobs: JobQueue[_Job] = JobQueue(order)  # under _lock
+        self._stopping = False  # under _lock
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> None:
+        self._stopping = False
         self._threads = [threading.Thread(target=self._slot, name=f"sim-slot-{i}", daemon=True)
                          for i in range(self.slots)]
         for thread in self._threads:
@@ -186,45 +189,41 @@ class SlotScheduler:
 
     async def stop(self) -> None:
         """Fail the jobs still waiting, let running ones end (each is one service time), stop the slots."""
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                with self._lock:
-                    self._waiting -= 1
-                self._resolve(job, RuntimeError("worker is shutting down"))
-        for _ in self._threads:
-            self._jobs.put(_STOP)
+        with self._changed:
+            waiting = self._jobs.drain()
+            self._stopping = True
+            self._changed.notify_all()
+        for job in waiting:
+            self._resolve(job, RuntimeError("worker is shutting down"))
         threads, self._threads = self._threads, []
         await asyncio.to_thread(lambda: [t.join(30) for t in threads])
 
     @property
     def queued(self) -> int:
-        return self._waiting
+        """Jobs submitted and not yet taken by a slot."""
+        return len(self._jobs)
 
     # -- submitting ------------------------------------------------------
     async def embed(self, inputs: Sequence[Sequence[int]], *, priority: Priority = Priority.STANDARD,
                     deadline: float | None = None) -> Embedded:
         """Queue one job for all of ``inputs``; rows come back in input order.
 
-        Jobs start in arrival order whatever their ``priority`` (the slots
-        model a FIFO server); a job whose ``deadline`` has passed when a slot
-        takes it is refused with ``DeadlineExceeded`` and costs no slot time.
+        Jobs start in the workers' queue order (``priority`` with aging, then
+        arrival); a job whose ``deadline`` has passed when a slot takes it is
+        refused with ``DeadlineExceeded`` and costs no slot time.
         """
         if deadline is not None and deadline <= time.perf_counter():
             self.observer.deadline_missed()
             raise DeadlineExceeded("the request's deadline had passed when it arrived")
-        with self._lock:
-            if self._waiting >= self.max_queue_items:
-                raise QueueFull(f"{self._waiting} requests already queued (limit {self.max_queue_items})")
-            self._waiting += 1
-            depth = self._waiting
         loop = asyncio.get_running_loop()
-        job = _Job(inputs, sum(len(i) for i in inputs), loop.create_future(), loop, time.perf_counter(), deadline,
-                   finished=loop.create_future())
-        self._jobs.put(job)
+        job = _Job(inputs, sum(len(i) for i in inputs), loop.create_future(), loop, time.perf_counter(),
+                   Priority(priority), deadline, finished=loop.create_future())
+        with self._changed:
+            if len(self._jobs) >= self.max_queue_items:
+                raise QueueFull(f"{len(self._jobs)} requests already queued (limit {self.max_queue_items})")
+            self._jobs.push(job, int(job.priority), job.enqueued)
+            depth = len(self._jobs)
+            self._changed.notify()
         self.observer.queue_depth(depth)
         try:
             return await job.future
@@ -241,11 +240,12 @@ class SlotScheduler:
     # -- the slots (threads) -----------------------------------------------
     def _slot(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                self._waiting -= 1
+            with self._changed:
+                while not self._jobs and not self._stopping:
+                    self._changed.wait()
+                if self._stopping:
+                    return
+                job = self._jobs.take(time.perf_counter())
                 job.taken = not job.future.cancelled()
             if not job.taken:
                 self._settle(functools.partial(self.observer.inputs_cancelled, len(job.inputs)), job)
@@ -278,9 +278,7 @@ class SlotScheduler:
     def _report_depth(self) -> None:
         """The queue depth now (on the event loop): every job that leaves the queue, served or skipped,
         reports it, so the gauge never keeps a depth from before a skipped job left."""
-        with self._lock:
-            depth = self._waiting
-        self.observer.queue_depth(depth)
+        self.observer.queue_depth(self.queued)
 
     @staticmethod
     def _settle(call: Callable[[], None], job: _Job) -> None:

@@ -1,0 +1,130 @@
+"""The order in which a worker serves what waits in its queue: one rule for every scheduler.
+
+The real worker's ``MicroBatcher``, the simulated worker's ``SlotScheduler``
+and the fleet simulator (``inferlb sim``) all rank waiting work with this
+module, so a class, an aging step or a tie-break means the same everywhere.
+It is pure: the caller passes the clock (``now``, any monotonic seconds), and
+it imports nothing but the standard library, so a simulator on a virtual
+clock can use it as it is.
+
+The rule, best first:
+1. The class: critical (0), standard (1), sheddable (2). Classes are strict,
+   but work climbs one class per ``aging_s`` it has waited since it was last
+   served (or since it arrived), never past critical: nothing starves.
+2. Within a rank, the scheduling option (``Scheduling``):
+   - ``las`` (least attained service, the default): the request that has had
+     the least computed for it so far; a request of 2,048 inputs gets one
+     batch, then a one-sentence request that arrived meanwhile gets the next.
+   - ``round_robin``: the request that has waited longest since its last
+     batch; new requests join the end of the round.
+   - ``fifo``: arrival order, the whole of one request before the next (the
+     old oldest-input-first batcher; the baseline).
+3. Arrival order (``seq``) breaks every tie.
+
+A request served whole in one go (a simulated job) has attained nothing and
+waits since it arrived, so for it all three options are class, then arrival.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, TypeVar
+
+AGING_S = 2.0  # the default: a waiting request climbs one class per 2 s
+CLASSES = 3  # critical, standard, sheddable (inferlb_runtime.request_class.Priority)
+
+T = TypeVar("T")
+
+
+class Scheduling(str, Enum):
+    """How a worker orders requests of the same rank (see the module docstring)."""
+
+    LAS = "las"
+    ROUND_ROBIN = "round_robin"
+    FIFO = "fifo"
+
+
+def rank(priority: int, waiting_since: float, now: float, aging_s: float = AGING_S) -> int:
+    """``priority`` (0 best) improved by one per ``aging_s`` waited since ``waiting_since``, never below 0."""
+    return max(0, priority - int((now - waiting_since) / aging_s))
+
+
+@dataclass(frozen=True, slots=True)
+class QueueOrder:
+    """The ordering rule with its parameters; ``key`` sorts waiting requests, smallest first."""
+
+    scheduling: Scheduling = Scheduling.LAS
+    aging_s: float = AGING_S
+
+    def __post_init__(self) -> None:
+        if not self.aging_s > 0:
+            raise ValueError(f"aging_s must be > 0, got {self.aging_s}")
+
+    def key(self, *, priority: int, waiting_since: float, attained: float, seq: int,
+            now: float) -> tuple[float, ...]:
+        """The sort key of one waiting request at ``now``.
+
+        ``waiting_since``: when it arrived, or when its last batch was taken;
+        ``attained``: the work computed for it so far (any unit, e.g. padded
+        tokens); ``seq``: its arrival number.
+        """
+        r = rank(priority, waiting_since, now, self.aging_s)
+        if self.scheduling is Scheduling.LAS:
+            return (r, attained, seq)
+        if self.scheduling is Scheduling.ROUND_ROBIN:
+            return (r, waiting_since, seq)
+        return (r, seq)
+
+
+class JobQueue(Generic[T]):
+    """Waiting jobs that are each served whole, once (a simulated worker's requests), in ``QueueOrder``.
+
+    One deque per class: within a class the oldest job has waited longest, so
+    it has the best rank and the smallest arrival number, and the next job is
+    the best of the (at most three) heads under ``order.key``. Not
+    thread-safe: the caller holds its own lock.
+    """
+
+    __slots__ = ("_classes", "_order", "_seq", "_size")
+
+    def __init__(self, order: QueueOrder | None = None) -> None:
+        self._order = order or QueueOrder()
+        self._classes: tuple[deque[tuple[float, int, T]], ...] = tuple(deque() for _ in range(CLASSES))
+        self._seq = 0
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def push(self, job: T, priority: int, now: float) -> None:
+        """Queue ``job`` of class ``priority`` (0..2), arriving at ``now``."""
+        if not 0 <= priority < CLASSES:
+            raise ValueError(f"priority must be 0..{CLASSES - 1}, got {priority}")
+        self._seq += 1
+        self._classes[priority].append((now, self._seq, job))
+        self._size += 1
+
+    def take(self, now: float) -> T:
+        """The job to serve next, removed from the queue (``IndexError`` when the queue is empty)."""
+        best_key: tuple[float, ...] | None = None
+        best: deque[tuple[float, int, T]] | None = None
+        for priority, waiting in enumerate(self._classes):
+            if waiting:
+                since, seq, _ = waiting[0]
+                key = self._order.key(priority=priority, waiting_since=since, attained=0, seq=seq, now=now)
+                if best_key is None or key < best_key:
+                    best_key, best = key, waiting
+        if best is None:
+            raise IndexError("take() from an empty JobQueue")
+        self._size -= 1
+        return best.popleft()[2]
+
+    def drain(self) -> list[T]:
+        """Every waiting job, removed (on shutdown)."""
+        jobs = [job for waiting in self._classes for _, _, job in waiting]
+        for waiting in self._classes:
+            waiting.clear()
+        self._size = 0
+        return jobs
