@@ -29,7 +29,7 @@ class Observer:
     def batch_done(self, *, size: int, tokens: int, padded_tokens: int, seconds: float) -> None:
         self.batches.append({"size": size, "tokens": tokens, "padded": padded_tokens})
 
-    def queue_wait(self, seconds: float) -> None:
+    def queue_wait(self, seconds: float, priority: Priority) -> None:
         self.waits.append(seconds)
 
     def queue_depth(self, items: int) -> None:

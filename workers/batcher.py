@@ -50,7 +50,7 @@ class BatchObserver(Protocol):
 
     def batch_done(self, *, size: int, tokens: int, padded_tokens: int, seconds: float) -> None: ...
 
-    def queue_wait(self, seconds: float) -> None: ...
+    def queue_wait(self, seconds: float, priority: Priority) -> None: ...
 
     def queue_depth(self, items: int) -> None: ...
 
@@ -73,6 +73,7 @@ class _Item:
     tokens: Sequence[int]
     future: asyncio.Future[np.ndarray]
     enqueued: float
+    priority: Priority
     started: float = 0.0
     finished: float = 0.0
 
@@ -214,9 +215,10 @@ class MicroBatcher:
         if self._last_arrival:
             self._arrival_gap = 0.8 * self._arrival_gap + 0.2 * (now - self._last_arrival)
         self._last_arrival = now
-        items = [_Item(tokens, loop.create_future(), now) for tokens in inputs]
+        priority = Priority(priority)
+        items = [_Item(tokens, loop.create_future(), now, priority) for tokens in inputs]
         self._seq += 1
-        request = _Request(deque(items), Priority(priority), deadline, self._seq, now)
+        request = _Request(deque(items), priority, deadline, self._seq, now)
         self._pending.append(request)
         self._queued += len(items)
         self.observer.queue_depth(self._queued)
@@ -347,7 +349,7 @@ class MicroBatcher:
         start = time.perf_counter()
         for item in batch:
             item.started = start
-            self.observer.queue_wait(start - item.enqueued)
+            self.observer.queue_wait(start - item.enqueued, item.priority)
         tokens = [item.tokens for item in batch]
         self._busy = True
         self._running, self._running_items = loop.create_future(), frozenset(id(item) for item in batch)

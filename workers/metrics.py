@@ -22,6 +22,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from inferlb_runtime.request_class import Priority
+
 LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048, 4.096, 8.192)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 BATCH_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -90,6 +92,15 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Apart from the unlabelled histogram above, which the control plane reads as one series.
+        self.class_queue_wait = Histogram(
+            "inferlb_worker_queue_wait_by_class_seconds",
+            "Time an input waited in the batch queue, by the request's priority class.",
+            ["priority"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._class_queue_wait = {p: self.class_queue_wait.labels(priority=p.name.lower()) for p in Priority}
         self.compute = Histogram(
             "inferlb_worker_batch_compute_seconds",
             "Inference time of one batch.",
@@ -147,8 +158,9 @@ class WorkerMetrics:
         self.tokens.inc(tokens)
         self.inputs.inc(size)
 
-    def queue_wait(self, seconds: float) -> None:
+    def queue_wait(self, seconds: float, priority: Priority) -> None:
         self.queue_wait_seconds.observe(seconds)
+        self._class_queue_wait[priority].observe(seconds)
 
     def queue_depth(self, items: int) -> None:
         self.queue_depth_gauge.set(items)

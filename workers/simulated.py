@@ -299,7 +299,7 @@ class SlotScheduler:
             embedded, seconds = outcome
             self.cost.observe(job.tokens, seconds)
             self._report_depth()
-            self.observer.queue_wait(embedded.queue_s)
+            self.observer.queue_wait(embedded.queue_s, job.priority)
             self.observer.batch_done(size=len(job.inputs), tokens=job.tokens, padded_tokens=job.tokens,
                                      seconds=embedded.compute_s)
             if not job.future.done():
