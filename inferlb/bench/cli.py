@@ -3,7 +3,8 @@
 ``inferlb bench load`` (one open-loop load against a URL) lives in
 ``load_command.py``; ``inferlb bench run`` (a scenario against every data-plane
 configuration) in ``run_command.py``; ``inferlb bench overload`` (issue 13's
-classes and shedding) in ``overload.py``; the component benchmarks ``inferlb bench
+classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests against
+workers full of the largest ones, per worker scheduling option) in ``hogs.py``; the component benchmarks ``inferlb bench
 worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/`` and ``ext-proc`` in
 ``ext_proc_bench/``. Each keeps heavy imports (matplotlib, the model, the
 services) inside its ``main`` so that ``inferlb --help`` stays fast.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import load_command, overload, run_command, worker_bench
+from . import hogs, load_command, overload, run_command, worker_bench
 from .ext_proc_bench import command as ext_proc_command
 from .xds_bench import command as xds_command
 
@@ -38,6 +39,10 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                description=overload.DESCRIPTION)
     overload.add_arguments(over)
     over.set_defaults(func=overload.main)
+    hog = commands.add_parser("hogs", help="one-sentence requests while every worker holds the largest requests",
+                              description=hogs.DESCRIPTION)
+    hogs.add_arguments(hog)
+    hog.set_defaults(func=hogs.main)
     worker = commands.add_parser("worker", help="the worker: raw ONNX Runtime vs HTTP, batching, int8 vs fp32",
                                  description=worker_bench.DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
