@@ -17,10 +17,11 @@ from inferlb.bench.classes import trace_classes
 from inferlb.bench.scenario import ClassMix, Fleet, Scenario, ScenarioError, WorkerSpec, Workload, load_scenario, \
     scenario_from_mapping
 from inferlb.bench.trace import build_trace
-from inferlb.sim.engine import SHED
-from inferlb.sim.fleet import ClassQueue
+from inferlb.sim.engine import SHED, Clock, Engine
+from inferlb.sim.fleet import SimFleet
 from inferlb.sim.runner import simulate
 from inferlb_runtime.request_class import Priority
+from workers.queue_order import JobQueue, QueueOrder
 
 ROOT = Path(__file__).resolve().parent.parent
 MIX = ClassMix(critical=0.2, standard=0.5, sheddable=0.3)
@@ -40,33 +41,51 @@ def overloaded(**changes) -> Scenario:  # type: ignore[no-untyped-def]
 # --- the class order of a worker's queue ------------------------------------------------------------
 
 
-def test_the_queue_serves_the_best_class_first_and_arrival_order_within_one() -> None:
-    q = ClassQueue(aging_s=2.0)
-    for request, priority in ((0, X), (1, S), (2, C), (3, S), (4, C)):
-        q.push(request, priority, now=0.0)
-    assert len(q) == 5
-    assert [q.take(0.1) for _ in range(5)] == [2, 4, 1, 3, 0]
-    assert len(q) == 0
+class First:
+    """A balancer that sends everything to worker 0 (the queue order alone decides)."""
+
+    name = "first"
+
+    def pick(self, request: int, tokens: int, now: float) -> int:
+        return 0
+
+    def completed(self, request: int, worker: int, now: float, service_s: float, inflight: int) -> None:
+        pass
+
+    def ticks(self) -> tuple:
+        return ()
+
+
+def one_worker_order(send_at: list[float], priorities: list[int]) -> list[int]:
+    """Requests in the order one simulated worker (1 s per request) finishes them."""
+    fleet = SimFleet(Fleet(workers=(WorkerSpec(1.0),), fixed_s=1.0, per_token_s=0.0, cost_scale=1.0),
+                     queue_order=QueueOrder())
+    outcome = Engine(fleet, First(), Clock()).run(np.array(send_at), np.full(len(send_at), 10), until_s=100.0,
+                                                 priorities=np.array(priorities, dtype=np.int8))
+    return np.argsort(outcome.finished_at, kind="stable").tolist()
+
+
+def test_the_simulated_queues_are_the_workers_own() -> None:
+    fleet = SimFleet(Fleet(), queue_order=QueueOrder())
+    assert all(type(w.queue) is JobQueue for w in fleet.workers)
+    assert all(type(w.queue) is not JobQueue for w in SimFleet(Fleet()).workers)  # no classes: FIFO deques
+
+
+def test_a_worker_serves_the_best_class_first_and_arrival_order_within_one() -> None:
+    # request 0 runs; 1-4 queue behind it: critical 3, then standard 1 and 4 in arrival order, sheddable 2
+    assert one_worker_order([0.0, 0.1, 0.2, 0.3, 0.4], [S, S, X, C, S]) == [0, 3, 1, 4, 2]
 
 
 def test_a_waiting_request_climbs_one_class_per_aging_interval() -> None:
-    q = ClassQueue(aging_s=2.0)
-    q.push(0, X, now=0.0)  # sheddable, waiting since 0
-    q.push(1, S, now=1.0)
-    q.push(2, C, now=1.0)
-    # at 1.9 s the sheddable is still last; at 2.0 it ranks as standard and is older than the standard one
-    assert q.take(1.9) == 2
-    assert q.take(2.0) == 0
-    assert q.take(2.0) == 1
-    q.push(3, X, now=0.0)
-    q.push(4, C, now=4.0)
-    assert q.take(4.0) == 3  # two intervals: critical rank, and it arrived first
+    # at 2.0 s the sheddable request (1) has waited 1.9 s and still ranks last: standard 3 goes; at 3.0 s it
+    # has waited 2.9 s, ranks as standard, and is older than standard 4 (without aging: [0, 2, 3, 4, 1])
+    assert one_worker_order([0.0, 0.1, 0.2, 1.5, 1.6], [S, X, C, S, S]) == [0, 2, 3, 1, 4]
 
 
 def test_all_standard_in_class_order_is_the_fifo_order() -> None:
     scenario = replace(overloaded(), workload=Workload())
     fifo, raw_fifo = simulate(scenario, "envoy_round_robin", 1.1)
-    # the same run with every queue a ClassQueue and every request standard
+    # the same run with every queue the workers' JobQueue and every request standard
     classed = replace(scenario, workload=Workload(classes=ClassMix(critical=1e-12, standard=1 - 1e-12)))
     ordered, raw_ordered = simulate(classed, "envoy_round_robin", 1.1)
     assert np.all(raw_ordered["classes"] == S)

@@ -8,8 +8,8 @@ instant as an arrival is processed first (the slot it frees is free).
 
 A balancer's ``pick`` may answer ``SHED`` instead of a worker: the request is
 answered at once (ext_proc's 429) and never reaches a worker. With
-``priorities`` the workers' queues are ``ClassQueue``s (``SimFleet``'s
-``class_aging_s``) and each queued request carries its class.
+``priorities`` the workers' queues are the workers' ``JobQueue``s (``SimFleet``'s
+``queue_order``) and each queued request carries its class.
 
 Event tuples: ``(time, seq, kind, a, b)``; ``seq`` makes ties deterministic.
 ``kind`` 0 is a job completion (``a`` worker, ``b`` request), 1 a call

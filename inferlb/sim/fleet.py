@@ -3,7 +3,8 @@
 A worker serves a request as one job of ``Fleet.service_s`` seconds at the
 speed it has when the job *starts* (the emulated worker's rule), on the first
 free of its ``slots``; the rest wait in arrival order, or, when the trace
-carries classes, in the workers' class order with aging (``ClassQueue``).
+carries classes, in the workers' own class order with aging (the
+simulated worker's ``JobQueue``, ``workers/queue_order.py``).
 Nothing else is modelled: no batching across requests, no network, no
 rejections by the worker.
 
@@ -19,47 +20,9 @@ from __future__ import annotations
 from collections import deque
 
 from inferlb.bench.scenario import Fleet
-from inferlb_runtime.request_class import Priority
+from workers.queue_order import JobQueue, QueueOrder
 
 LOAD_SAMPLE_PERIOD_S = 0.5  # workers/service.py samples its CPU and request rate this often
-WORKER_AGING_S = 2.0  # the workers' aging_s: a waiting request climbs one class per aging_s
-
-
-class ClassQueue:
-    """A worker's queue ordered as the workers order theirs: the best class first, a request climbing one
-    class per ``aging_s`` waited; arrival order within a rank.
-
-    One deque per class: within a class the oldest request has waited longest, so it has the best rank
-    and the smallest arrival number, and the next job is the best of the (at most three) heads.
-    """
-
-    __slots__ = ("_aging_s", "_classes", "_size")
-
-    def __init__(self, aging_s: float) -> None:
-        self._aging_s = aging_s
-        self._classes: tuple[deque[tuple[float, int]], ...] = tuple(deque() for _ in Priority)
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def push(self, request: int, priority: int, now: float) -> None:
-        self._classes[priority].append((now, request))
-        self._size += 1
-
-    def take(self, now: float) -> int:
-        """The request to serve next (the queue must not be empty)."""
-        best_key: tuple[int, int] | None = None
-        best: deque[tuple[float, int]] | None = None
-        for priority, waiting in enumerate(self._classes):
-            if waiting:
-                since, request = waiting[0]
-                key = (max(0, priority - int((now - since) / self._aging_s)), request)
-                if best_key is None or key < best_key:
-                    best_key, best = key, waiting
-        assert best is not None, "take() from an empty queue"
-        self._size -= 1
-        return best.popleft()[1]
 
 
 class SimWorker:
@@ -92,7 +55,7 @@ class SimWorker:
         self.speed = speed
         self.slots = slots
         self.running = 0  # jobs on a slot
-        self.queue: deque[int] | ClassQueue = deque()  # request indices waiting (SimFleet sets the kind)
+        self.queue: deque[int] | JobQueue[int] = deque()  # request indices waiting (SimFleet sets the kind)
         self.inflight = 0  # running + queued: the worker's ``inflight_requests`` gauge and ORCA figure
         self.busy_done_s = 0.0  # service seconds of finished jobs
         self.running_started_sum = 0.0  # sum of the start times of running jobs (busy time in O(1))
@@ -127,13 +90,14 @@ class SimWorker:
 class SimFleet:
     """Every worker plus the scenario's cost curve."""
 
-    def __init__(self, fleet: Fleet, inputs_per_request: int = 1, class_aging_s: float | None = None) -> None:
-        """``class_aging_s``: queues in class order with that aging (the trace carries classes); None: FIFO."""
+    def __init__(self, fleet: Fleet, inputs_per_request: int = 1, queue_order: QueueOrder | None = None) -> None:
+        """``queue_order``: the workers' queues are ``JobQueue`` s in that order (the trace carries classes);
+        None: FIFO."""
         self.spec = fleet
         self.workers = [SimWorker(i, w.speed, w.slots) for i, w in enumerate(fleet.workers)]
-        if class_aging_s is not None:
+        if queue_order is not None:
             for w in self.workers:
-                w.queue = ClassQueue(class_aging_s)
+                w.queue = JobQueue(queue_order)
         self.inputs_per_request = inputs_per_request
         # service_s = (fixed + per_token * tokens) * scale / speed, with the constants folded once
         self._fixed = fleet.fixed_s * fleet.cost_scale

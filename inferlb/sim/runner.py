@@ -10,7 +10,7 @@ seconds into the measured window (after the warm-up), as the bench does.
 
 With a class mix (``workload.classes``) each request gets its class as the
 live overload bench sends it (``inferlb.bench.classes``), the workers' queues
-order by class, ext_proc sheds by the scenario's ``shed_slo_ms``, and the
+order by class as the workers order theirs (``workers/queue_order.py``), ext_proc sheds by the scenario's ``shed_slo_ms``, and the
 result's ``extra["classes"]`` holds each class's figures. A shed request is a
 non-2xx answer (an error, as the live load generator counts a 429), answered
 after the hop and ext_proc overhead.
@@ -34,6 +34,7 @@ from inferlb.bench.results import RunResult
 from inferlb.bench.scenario import PICK_PREFIX, Scenario
 from inferlb.bench.trace import build_trace
 from inferlb_runtime.request_class import Priority
+from workers.queue_order import QueueOrder
 
 from .balancers import (
     CswrrOrca,
@@ -45,7 +46,7 @@ from .balancers import (
 )
 from .engine import SHED, Balancer, Clock, Engine
 from .ext_proc_model import ExtProcBalancer
-from .fleet import LOAD_SAMPLE_PERIOD_S, WORKER_AGING_S, SimFleet
+from .fleet import LOAD_SAMPLE_PERIOD_S, SimFleet
 from .weights import ControlPlaneModel
 
 STEADY, SLOWDOWN = "steady", "slowdown"
@@ -133,7 +134,7 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
     classes = trace_classes(scenario.workload.classes, trace.send_at_s.size, scenario.seed) \
         if is_mixed(scenario.workload.classes) else None
     fleet = SimFleet(scenario.fleet, scenario.workload.inputs_per_request,
-                     class_aging_s=WORKER_AGING_S if classes is not None else None)
+                     queue_order=QueueOrder() if classes is not None else None)  # the workers' default order
     clock = Clock()
     rng = random.Random(_seed(scenario, configuration, load, run))
     balancer: Balancer | None = None
