@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import dataclass
 
 import pytest
 
@@ -34,25 +35,57 @@ def test_rank_climbs_one_class_per_aging_interval_and_stops_at_critical() -> Non
     assert rank(X, waiting_since=10.0, now=100.0, aging_s=2.0) == C
 
 
+@dataclass
+class Req:
+    name: str
+    priority: int
+    waiting_since: float
+    attained: float
+    seq: int
+
+
+def served(order: QueueOrder, waiting: list[Req], now: float) -> list[str]:
+    """Names in the order ``order.first`` picks them (each leaves once picked)."""
+    left, out = list(waiting), []
+    while left:
+        chosen = order.first(left, now)
+        left.remove(chosen)
+        out.append(chosen.name)
+    return out
+
+
 @pytest.mark.parametrize("scheduling, expected", [
     (Scheduling.LAS, ["small", "fresh", "big"]),  # least attained first
     (Scheduling.ROUND_ROBIN, ["big", "small", "fresh"]),  # longest since its last batch first
     (Scheduling.FIFO, ["big", "small", "fresh"]),  # arrival order
 ])
 def test_within_a_class_the_scheduling_option_decides(scheduling: Scheduling, expected: list[str]) -> None:
+    waiting = [Req("big", S, 1.0, 5000, 1), Req("small", S, 2.0, 10, 2), Req("fresh", S, 3.0, 20, 3)]
     order = QueueOrder(scheduling, aging_s=100.0)
-    waiting = {  # name: (waiting_since, attained, seq)
-        "big": (1.0, 5000, 1),
-        "small": (2.0, 10, 2),
-        "fresh": (3.0, 0, 3),
-    }
-    # "fresh" attained nothing yet but "small", older, attained little: las breaks by attained service
-    waiting["fresh"] = (3.0, 20, 3)
-    keys = {name: order.key(priority=S, waiting_since=w, attained=a, seq=q, now=4.0)
-            for name, (w, a, q) in waiting.items()}
-    assert sorted(keys, key=keys.__getitem__) == expected
-    # a better class wins over any of them, whatever it attained
-    assert order.key(priority=C, waiting_since=3.5, attained=10**9, seq=9, now=4.0) < min(keys.values())
+    assert served(order, waiting, now=4.0) == expected
+    # a better class goes first, whatever it attained
+    assert served(order, [*waiting, Req("vip", C, 3.5, 10**9, 9)], now=4.0)[0] == "vip"
+
+
+def test_a_request_that_waited_past_the_aging_interval_does_not_overtake_its_own_class() -> None:
+    """Before, aging lifted requests: a large request that had waited 2 s for its next batch ranked
+    critical and went before a one-sentence request of its class that had just arrived (the hogs
+    benchmark's p99 of 669 ms under las)."""
+    order = QueueOrder(Scheduling.LAS, aging_s=2.0)
+    waiting = [Req("hog", S, 0.0, 5000, 1), Req("sentence", S, 2.9, 0, 2)]
+    assert served(order, waiting, now=3.0) == ["sentence", "hog"]
+
+
+def test_a_class_climbs_with_its_longest_waiting_request() -> None:
+    order = QueueOrder(Scheduling.LAS, aging_s=2.0)
+    waiting = [Req("standard", S, 1.0, 0, 5), Req("old-sheddable", X, 0.0, 100, 1), Req("new-sheddable", X, 1.0, 0, 6)]
+    # at 1.9 s the sheddable class is still last
+    assert served(order, waiting, now=1.9)[0] == "standard"
+    # at 4 s it ranks critical like standard (aged once) and its longest-waiting request came first: its
+    # least-served request goes first
+    assert served(order, waiting, now=4.0) == ["new-sheddable", "old-sheddable", "standard"]
+    with pytest.raises(ValueError):
+        order.first([], now=0.0)
 
 
 def test_a_bad_aging_interval_is_refused() -> None:

@@ -11,8 +11,9 @@ Why this shape:
   tokens stay >= ``min_fill`` of the padded tokens.
 - The anchor comes from the first request in ``workers.queue_order``'s
   order (shared with the simulated worker and the fleet simulator): the best
-  priority class, a class climbing one per ``aging_s`` waited so nothing
-  starves, then by default the request that has had the least service so far
+  priority class, a class climbing one per ``aging_s`` its longest-waiting
+  request waited so no class starves, then by default the request that has had
+  the least service so far
   (padded tokens computed for it): a request of 2,048 inputs gets one batch,
   then a one-sentence request that arrived meanwhile gets the next, instead
   of waiting for all 2,048 (least attained service: short requests finish
@@ -89,10 +90,10 @@ class _Request:
     waiting_since: float  # arrival, then the end of its last batch: aging counts from here
     attained: int = 0  # padded tokens computed for it so far
 
-    def key(self, order: QueueOrder, now: float) -> tuple[float, ...]:
-        """Where it stands in ``order`` at ``now`` (smallest first)."""
-        return order.key(priority=int(self.priority), waiting_since=self.waiting_since, attained=self.attained,
-                         seq=self.seq, now=now)
+    def key(self, order: QueueOrder) -> tuple[float, ...]:
+        """Where it stands in ``order`` (smallest first): its class, then the order within the class."""
+        return (int(self.priority), *order.within_key(waiting_since=self.waiting_since, attained=self.attained,
+                                                       seq=self.seq))
 
 
 @dataclass(frozen=True)
@@ -311,8 +312,8 @@ class MicroBatcher:
         self._expire(now)
         if not self._pending:
             return []
-        keys = {request: request.key(self._order, now) for request in self._pending}
-        owner = min(self._pending, key=keys.__getitem__)
+        owner = self._order.first(self._pending, now)
+        keys = {request: request.key(self._order) for request in self._pending}
         anchor = owner.items[0]
         anchor_len = len(anchor.tokens)
         # At most a batch's worth from each request: a request of 2,048 inputs is not scanned whole.

@@ -7,11 +7,13 @@ It is pure: the caller passes the clock (``now``, any monotonic seconds), and
 it imports nothing but the standard library, so a simulator on a virtual
 clock can use it as it is.
 
-The rule, best first:
-1. The class: critical (0), standard (1), sheddable (2). Classes are strict,
-   but work climbs one class per ``aging_s`` it has waited since it was last
-   served (or since it arrived), never past critical: nothing starves.
-2. Within a rank, the scheduling option (``Scheduling``):
+The rule:
+1. The class: critical (0), standard (1), sheddable (2), strictly, except
+   that a class climbs one rank per ``aging_s`` its longest-waiting request
+   has waited (since it arrived, or since its last batch), never past
+   critical: no class starves. Ties go to the class whose longest-waiting
+   request arrived first.
+2. Within the chosen class, the scheduling option (``Scheduling``):
    - ``las`` (least attained service, the default): the request that has had
      the least computed for it so far; a request of 2,048 inputs gets one
      batch, then a one-sentence request that arrived meanwhile gets the next.
@@ -19,7 +21,12 @@ The rule, best first:
      batch; new requests join the end of the round.
    - ``fifo``: arrival order, the whole of one request before the next (the
      old oldest-input-first batcher; the baseline).
-3. Arrival order (``seq``) breaks every tie.
+   Arrival order (``seq``) breaks every tie.
+
+Aging ranks classes, not requests: were a request to climb on its own, a
+large request that had waited ``aging_s`` for its next batch would outrank
+a one-sentence request of its own class that had just arrived, and least
+attained service would be lost exactly when a worker is busiest.
 
 A request served whole in one go (a simulated job) has attained nothing and
 waits since it arrived, so for it all three options are class, then arrival.
@@ -30,7 +37,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import Generic, TypeVar
+from typing import Generic, Iterable, Protocol, TypeVar
 
 AGING_S = 2.0  # the default: a waiting request climbs one class per 2 s
 CLASSES = 3  # critical, standard, sheddable (inferlb_runtime.request_class.Priority)
@@ -48,12 +55,31 @@ class Scheduling(str, Enum):
 
 def rank(priority: int, waiting_since: float, now: float, aging_s: float = AGING_S) -> int:
     """``priority`` (0 best) improved by one per ``aging_s`` waited since ``waiting_since``, never below 0."""
-    return max(0, priority - int((now - waiting_since) / aging_s))
+    return max(0, priority - int(max(0.0, now - waiting_since) / aging_s))
+
+
+class Waiting(Protocol):
+    """What ``QueueOrder.first`` reads of a waiting request."""
+
+    @property
+    def priority(self) -> int: ...  # 0 best
+
+    @property
+    def waiting_since(self) -> float: ...  # arrival, or when its last batch was taken
+
+    @property
+    def attained(self) -> float: ...  # work computed for it so far (any unit, e.g. padded tokens)
+
+    @property
+    def seq(self) -> int: ...  # arrival number
+
+
+W = TypeVar("W", bound=Waiting)
 
 
 @dataclass(frozen=True, slots=True)
 class QueueOrder:
-    """The ordering rule with its parameters; ``key`` sorts waiting requests, smallest first."""
+    """The ordering rule with its parameters."""
 
     scheduling: Scheduling = Scheduling.LAS
     aging_s: float = AGING_S
@@ -62,20 +88,37 @@ class QueueOrder:
         if not self.aging_s > 0:
             raise ValueError(f"aging_s must be > 0, got {self.aging_s}")
 
-    def key(self, *, priority: int, waiting_since: float, attained: float, seq: int,
-            now: float) -> tuple[float, ...]:
-        """The sort key of one waiting request at ``now``.
+    def class_key(self, *, priority: int, oldest_since: float, oldest_seq: int, now: float) -> tuple[int, int]:
+        """Sorts the classes that have waiting work, smallest first: the class's rank with aging (from its
+        longest-waiting request's ``oldest_since``), then that request's arrival number."""
+        return rank(priority, oldest_since, now, self.aging_s), oldest_seq
 
-        ``waiting_since``: when it arrived, or when its last batch was taken;
-        ``attained``: the work computed for it so far (any unit, e.g. padded
-        tokens); ``seq``: its arrival number.
-        """
-        r = rank(priority, waiting_since, now, self.aging_s)
+    def within_key(self, *, waiting_since: float, attained: float, seq: int) -> tuple[float, ...]:
+        """Sorts the waiting requests of one class, smallest first."""
         if self.scheduling is Scheduling.LAS:
-            return (r, attained, seq)
+            return (attained, seq)
         if self.scheduling is Scheduling.ROUND_ROBIN:
-            return (r, waiting_since, seq)
-        return (r, seq)
+            return (waiting_since, seq)
+        return (seq,)
+
+    def first(self, waiting: Iterable[W], now: float) -> W:
+        """The request to serve next (``ValueError`` when none waits); one pass over ``waiting``."""
+        best: dict[int, W] = {}  # class -> its first request
+        oldest: dict[int, W] = {}  # class -> its longest-waiting request
+        for request in waiting:
+            p = request.priority
+            if p not in best or self._within(request) < self._within(best[p]):
+                best[p] = request
+            if p not in oldest or (request.waiting_since, request.seq) < (oldest[p].waiting_since, oldest[p].seq):
+                oldest[p] = request
+        if not best:
+            raise ValueError("first() of no waiting requests")
+        chosen = min(oldest, key=lambda p: self.class_key(priority=p, oldest_since=oldest[p].waiting_since,
+                                                          oldest_seq=oldest[p].seq, now=now))
+        return best[chosen]
+
+    def _within(self, request: Waiting) -> tuple[float, ...]:
+        return self.within_key(waiting_since=request.waiting_since, attained=request.attained, seq=request.seq)
 
 
 class JobQueue(Generic[T]):
@@ -108,12 +151,12 @@ class JobQueue(Generic[T]):
 
     def take(self, now: float) -> T:
         """The job to serve next, removed from the queue (``IndexError`` when the queue is empty)."""
-        best_key: tuple[float, ...] | None = None
+        best_key: tuple[int, int] | None = None
         best: deque[tuple[float, int, T]] | None = None
         for priority, waiting in enumerate(self._classes):
-            if waiting:
+            if waiting:  # the head is the class's longest-waiting job and its first in every option
                 since, seq, _ = waiting[0]
-                key = self._order.key(priority=priority, waiting_since=since, attained=0, seq=seq, now=now)
+                key = self._order.class_key(priority=priority, oldest_since=since, oldest_seq=seq, now=now)
                 if best_key is None or key < best_key:
                     best_key, best = key, waiting
         if best is None:

@@ -9,7 +9,7 @@ stack on loopback: real ONNX workers, the control plane, ext_proc and Envoy.
 Per scheduling option:
 1. the stack starts (``ProcessGroup``: everything is stopped on the way out, on errors and Ctrl-C too);
 2. the hogs go straight to each worker (so each holds exactly its share), and the bench waits until
-   every worker has all of them in flight;
+   every worker has queued all of their inputs;
 3. one-sentence requests go through Envoy at a fixed rate (``loadgen.run_load``, open loop), a bounded
    count, while the hogs run; their p50/p99 and errors are the result;
 4. the hogs are awaited (each bounded by ``--timeout``) and the stack stopped.
@@ -163,14 +163,16 @@ def worker_components(plan: HogsPlan, scheduling: str, ports: Sequence[int], log
             for port in ports]
 
 
-async def _inflight(client: httpx.AsyncClient, url: str) -> float:
-    """The worker's in-flight requests gauge (every hog it has received and not answered)."""
+async def _received_inputs(client: httpx.AsyncClient, url: str) -> float:
+    """Inputs the worker has embedded or queued (``inputs_total`` + ``queue_depth``): every hog counts once it
+    is tokenised and queued, not merely received."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from .fleet import INFLIGHT_METRIC
+    from .fleet import QUEUE_METRIC
 
     text = (await client.get(f"{url}/metrics")).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == INFLIGHT_METRIC)
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name in (QUEUE_METRIC, "inferlb_worker_inputs_total"))
 
 
 async def _post_hog(client: httpx.AsyncClient, url: str, body: bytes) -> tuple[int | None, float]:
@@ -229,16 +231,21 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
                                  headers={"content-type": "application/json"})
         if warm.status_code != 200:
             raise RuntimeError(f"a first sentence through Envoy got {warm.status_code}: {warm.text[:200]}")
+        before = [await _received_inputs(client, url) for url in urls]
         hog_started = time.perf_counter()
         tasks = [asyncio.create_task(_post_hog(client, url, hog_body)) for url in urls for _ in range(hogs)]
         try:
             deadline = time.monotonic() + 60
-            while not all([await _inflight(client, url) >= hogs for url in urls]):
+            while not all([await _received_inputs(client, url) - b >= hogs * plan.hog_inputs
+                           for url, b in zip(urls, before)]):
                 group.check_alive()
-                if time.monotonic() > deadline or any(t.done() for t in tasks):
-                    raise RuntimeError("the hogs did not all reach their workers (see the worker logs)")
+                failed = [t.result()[0] for t in tasks if t.done() and t.result()[0] != 200]
+                if failed:
+                    raise RuntimeError(f"a hog was answered {failed[0]} (see the worker logs)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the hogs were not all queued within 60 s (see the worker logs)")
                 await asyncio.sleep(0.05)
-            _report(f"  {scheduling}: {hogs} hogs of {plan.hog_inputs} x {plan.hog_tokens} tokens in flight on "
+            _report(f"  {scheduling}: {hogs} hogs of {plan.hog_inputs} x {plan.hog_tokens} tokens queued on "
                     f"each worker; {n} sentences at {plan.rate_rps:g}/s through Envoy")
             outcome = await run_load(data_plane.url, trace, sentence_bodies, slo_s=TARGET_P99_S,
                                      timeout_s=plan.timeout_s, progress=progress)
