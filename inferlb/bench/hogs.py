@@ -164,8 +164,9 @@ def worker_components(plan: HogsPlan, scheduling: str, ports: Sequence[int], log
 
 
 async def _received_inputs(client: httpx.AsyncClient, url: str) -> float:
-    """Inputs the worker has embedded or queued (``inputs_total`` + ``queue_depth``): every hog counts once it
-    is tokenised and queued, not merely received."""
+    """Inputs the worker has embedded or queued (``inputs_total`` + ``queue_depth``): a hog counts once it is
+    tokenised and queued, not merely received. The batch computing now is in neither (at most
+    ``max_batch_size`` inputs)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from .fleet import QUEUE_METRIC
@@ -192,6 +193,8 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
     """One scheduling option on a fresh stack: its sentences' figures and its hogs'."""
     import httpx
     import numpy as np
+
+    from workers.config import WorkerConfig
 
     from .dataplanes import DataPlanePorts, plan_data_plane
     from .dataplanes.launch import start_data_plane
@@ -236,8 +239,8 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
         tasks = [asyncio.create_task(_post_hog(client, url, hog_body)) for url in urls for _ in range(hogs)]
         try:
             deadline = time.monotonic() + 60
-            while not all([await _received_inputs(client, url) - b >= hogs * plan.hog_inputs
-                           for url, b in zip(urls, before)]):
+            queued = hogs * plan.hog_inputs - WorkerConfig().max_batch_size  # all but the batch computing now
+            while not all([await _received_inputs(client, url) - b >= queued for url, b in zip(urls, before)]):
                 group.check_alive()
                 failed = [t.result()[0] for t in tasks if t.done() and t.result()[0] != 200]
                 if failed:
