@@ -63,7 +63,7 @@ def test_help_names_the_target_and_the_options() -> None:
 def run(**changes: object) -> dict:
     base = {"scheduling": "las", "sentences_sent": 10, "sentences_completed": 10, "sentence_errors": 0,
             "sentence_p50_s": 0.02, "sentence_p99_s": 0.08, "sentence_max_s": 0.09, "hogs": 64, "hogs_ok": 64,
-            "hogs_done_before_sentences_ended": 0, "hog_makespan_s": 60.0}
+            "hogs_done_at_last_sentence_sent": 0, "hog_makespan_s": 60.0}
     return {**base, **changes}
 
 
@@ -71,9 +71,9 @@ def test_the_target_is_judged_as_the_issue_states_it() -> None:
     assert verdict(run()) == "met"
     assert verdict(run(sentence_p99_s=0.1001)) == "MISSED"
     assert verdict(run(sentence_errors=1)) == "MISSED (errors)"
-    # a run whose hogs had all gone before its sentences ended did not measure a loaded worker
-    assert verdict(run(hogs_done_before_sentences_ended=64)).startswith("INVALID")
-    assert verdict(run(hogs_done_before_sentences_ended=10)) == "met"
+    # a run whose hogs had all gone before its last sentence was sent did not measure a loaded worker
+    assert verdict(run(hogs_done_at_last_sentence_sent=64)).startswith("INVALID")
+    assert verdict(run(hogs_done_at_last_sentence_sent=10)) == "met"
     text = render({"plan": vars(HogsPlan()), "runs": [run(), run(scheduling="fifo", sentence_p99_s=40.0)],
                    "failures": [{"scheduling": "round_robin", "error": "boom"}]})
     assert "| las | 10/10 | 20.0 | 80.0 |" in text and "| fifo |" in text and "FAILED: boom" in text

@@ -44,7 +44,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--spinning", dest="allow_spinning", action="store_true", default=None,
                    help="let ONNX Runtime threads spin (off by default: workers share cores)")
     p.add_argument("--cpus", type=float, help="cores allotted; cpu_utilization is a fraction of this (default 1)")
-    p.add_argument("--max-batch-tokens", type=int, help="padded tokens per batch (default 512)")
+    p.add_argument("--max-batch-tokens", type=int, help="padded tokens per batch (default 256)")
     p.add_argument("--max-batch-size", type=int, help="inputs per batch (default 64)")
     p.add_argument("--max-batch-wait-ms", type=float, help="cap of the adaptive batch window (default 5)")
     p.add_argument("--scheduling", choices=["las", "round_robin", "fifo"],

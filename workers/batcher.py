@@ -147,7 +147,7 @@ class MicroBatcher:
     run_batch: RunBatch
     executor: Executor
     observer: BatchObserver
-    max_batch_tokens: int = 512
+    max_batch_tokens: int = 256
     max_batch_size: int = 64
     max_wait_s: float = 0.005
     max_queue_items: int = 8192
