@@ -248,7 +248,8 @@ def test_route_configuration() -> None:
     assert route.route.cluster == settings.workers_cluster
     assert route.route.timeout.ToTimedelta().total_seconds() == 42.5
     retry = route.route.retry_policy
-    assert set(retry.retry_on.split(",")) == {"connect-failure", "reset", "5xx"}
+    assert set(retry.retry_on.split(",")) == {"connect-failure", "refused-stream", "reset", "retriable-status-codes"}
+    assert list(retry.retriable_status_codes) == [500, 502, 503]  # never 504: a spent budget is not retried
     assert retry.num_retries.value == 3
     assert [p.name for p in retry.retry_host_predicate] == ["envoy.retry_host_predicates.previous_hosts"]
     assert retry.retry_host_predicate[0].typed_config.type_url.endswith("PreviousHostsPredicate")

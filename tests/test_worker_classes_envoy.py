@@ -181,9 +181,9 @@ def test_a_budget_through_envoy_that_passes_in_a_busy_workers_queue_is_a_504(rea
     assert late.headers["content-type"] == "application/json"
     error = late.json()["error"]
     assert error["code"] == "deadline_exceeded" and error["type"] == "server_error" and error["message"]
-    # at least once: Envoy's route retries 5xx (control_plane/resources/routes.py), and each retry came
-    # with a fresh budget to the same worker and missed again
-    assert real.metric("inferlb_worker_deadline_misses_total") > missed
+    # once: Envoy's route does not retry a 504 (control_plane/resources/routes.py); a retry would come with
+    # a fresh budget and stretch the client's deadline
+    assert real.metric("inferlb_worker_deadline_misses_total") == missed + 1
     assert hogs.responses["hog"].status_code == 200
 
 

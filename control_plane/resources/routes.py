@@ -16,13 +16,17 @@ from ..model import DataPlaneSettings
 from .messages import duration, pack, u32
 
 PREVIOUS_HOSTS_PREDICATE = "envoy.retry_host_predicates.previous_hosts"
-RETRY_ON = "connect-failure,reset,5xx"
+# Not "5xx": a worker's 504 deadline_exceeded means the request's budget is spent, and a retry would
+# arrive at another worker with a fresh budget (the header is relative), stretching the client's deadline.
+RETRY_ON = "connect-failure,refused-stream,reset,retriable-status-codes"
+RETRIABLE_STATUS_CODES = (500, 502, 503)
 
 
 def build_route_configuration(settings: DataPlaneSettings) -> route_pb2.RouteConfiguration:
     """Everything goes to the workers cluster; retries avoid the host that just failed."""
     retry = route_components_pb2.RetryPolicy(
         retry_on=RETRY_ON,
+        retriable_status_codes=RETRIABLE_STATUS_CODES,
         num_retries=u32(settings.retries),
         retry_host_predicate=[route_components_pb2.RetryPolicy.RetryHostPredicate(
             name=PREVIOUS_HOSTS_PREDICATE, typed_config=pack(previous_hosts_pb2.PreviousHostsPredicate()),
