@@ -55,8 +55,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from inferlb_runtime.plugins import PolicyAllowlist
-from inferlb_runtime.request_class import (BUDGET_HEADERS, OBJECTIVE_HEADER, BadRequestHeader, Priority,
-                                           parse_budget_s, parse_priority)
+from inferlb_runtime.request_class import OBJECTIVE_HEADER, BadRequestHeader, Priority, parse_budget_s, parse_priority
 
 from . import wire
 from .metrics import ExtProcMetrics, LiveState
@@ -126,7 +125,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._keys = itertools.count(1)
         self._strip = (settings.pick_header, TOKENS_HEADER, PREDICTED_HEADER)
         self._strip_raw = tuple(name.encode() for name in self._strip)
-        self._class_raw = tuple(name.encode() for name in (OBJECTIVE_HEADER, *BUDGET_HEADERS))
+        # A prefilter on the raw headers (a false positive only costs a parse): both budget headers end so.
+        self._class_raw = (OBJECTIVE_HEADER.encode(), b"-timeout-ms")
         self._answers = wire.PickAnswers(settings.pick_header, settings.pick_metadata_namespace)
         self._too_large = wire.body_too_large_response(settings.max_body_bytes)
         source.add_listener(self.on_view)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import WorkerConfig, load_config
-from .queue_order import QueueOrder, Scheduling
+from .queue_order import SCHEDULINGS, QueueOrder, Scheduling
 from .simulated import (
     DEFAULT_FIXED_S,
     DEFAULT_PER_TOKEN_S,
@@ -47,7 +47,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-tokens", type=int, help="padded tokens per batch (default 256)")
     p.add_argument("--max-batch-size", type=int, help="inputs per batch (default 64)")
     p.add_argument("--max-batch-wait-ms", type=float, help="cap of the adaptive batch window (default 5)")
-    p.add_argument("--scheduling", choices=["las", "round_robin", "fifo"],
+    p.add_argument("--scheduling", choices=SCHEDULINGS,
                    help="order of waiting requests within a class: las (least attained service: the least-served "
                         "request gets the next batch), round_robin (one batch each in turn) or fifo (arrival "
                         "order, whole requests); default las")

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from .queue_order import AGING_S, SCHEDULINGS
+
 Precision = Literal["int8", "fp32"]
-SCHEDULINGS = ("las", "round_robin", "fifo")  # workers.queue_order.Scheduling's values
 
 ENV_PREFIX = "INFERLB_WORKER_"
 
@@ -47,7 +48,7 @@ class WorkerConfig:
     # The order of waiting requests within a class (workers/queue_order.py): las (least attained service),
     # round_robin, or fifo (arrival order, the old batcher); a class climbs one per aging_s waited.
     scheduling: str = "las"
-    aging_s: float = 2.0
+    aging_s: float = AGING_S
     # Request limits.
     max_inputs: int = 2048
     # Tokens one request may bring (all inputs, after truncation): about 2 s of work on one core

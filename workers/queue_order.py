@@ -53,6 +53,9 @@ class Scheduling(str, Enum):
     FIFO = "fifo"
 
 
+SCHEDULINGS = tuple(s.value for s in Scheduling)  # the names a configuration or a flag may give
+
+
 def rank(priority: int, waiting_since: float, now: float, aging_s: float = AGING_S) -> int:
     """``priority`` (0 best) improved by one per ``aging_s`` waited since ``waiting_since``, never below 0."""
     return max(0, priority - int(max(0.0, now - waiting_since) / aging_s))
@@ -126,7 +129,7 @@ class JobQueue(Generic[T]):
 
     One deque per class: within a class the oldest job has waited longest, so
     it has the best rank and the smallest arrival number, and the next job is
-    the best of the (at most three) heads under ``order.key``. Not
+    the best of the (at most three) heads under ``order.class_key``. Not
     thread-safe: the caller holds its own lock.
     """
 

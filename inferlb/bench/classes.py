@@ -16,9 +16,9 @@ from .scenario import ClassMix
 
 def trace_classes(classes: ClassMix, n: int, seed: int) -> np.ndarray:
     """``n`` ``Priority`` values (int8), request by request, in the mix's shares."""
-    shares = np.asarray(classes.shares(), dtype=np.float64)
-    if shares[Priority.STANDARD] == 1.0:
+    if not is_mixed(classes):
         return np.full(n, int(Priority.STANDARD), dtype=np.int8)
+    shares = np.asarray(classes.shares(), dtype=np.float64)
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(int(seed)).spawn(3)[2]))
     return rng.choice(len(Priority), size=n, p=shares / shares.sum()).astype(np.int8)
 

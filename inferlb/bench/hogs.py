@@ -28,12 +28,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from workers.queue_order import SCHEDULINGS
+
+from .table import ms
+
 if TYPE_CHECKING:
     import httpx
 
     from .processes import ProcessGroup
 
-SCHEDULINGS = ("las", "round_robin", "fifo")
 TARGET_P99_S = 0.100
 SENTENCE_TOKENS = 16  # a one-sentence request, [CLS] and [SEP] included
 WORKER_READY_TIMEOUT_S = 120.0
@@ -281,17 +284,13 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
         "hog_makespan_s": round(time.perf_counter() - hog_started, 2) if ok else None,
         "hog_p50_s": float(np.percentile(ok, 50)) if ok else None,
     }
-    _report(f"    sentences p50 {_ms(figures['sentence_p50_s'])} ms, p99 {_ms(figures['sentence_p99_s'])} ms, "
+    _report(f"    sentences p50 {ms(figures['sentence_p50_s'])} ms, p99 {ms(figures['sentence_p99_s'])} ms, "
             f"errors {figures['sentence_errors']}; hogs {len(ok)}/{len(results)} ok in "
             f"{figures['hog_makespan_s']} s")
     return figures
 
 
 # --- output ---------------------------------------------------------------------------------------------
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def verdict(run: dict[str, Any]) -> str:
@@ -315,7 +314,7 @@ def render(report: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         lines.append(f"| {run['scheduling']} | {run['sentences_completed']}/{run['sentences_sent']} | "
-                     f"{_ms(run['sentence_p50_s'])} | {_ms(run['sentence_p99_s'])} | {_ms(run['sentence_max_s'])} | "
+                     f"{ms(run['sentence_p50_s'])} | {ms(run['sentence_p99_s'])} | {ms(run['sentence_max_s'])} | "
                      f"{run['sentence_errors']} | {run['hogs_ok']}/{run['hogs']} | {run['hog_makespan_s']} | "
                      f"{verdict(run)} |")
     for failure in report["failures"]:
@@ -333,7 +332,7 @@ def main(args: argparse.Namespace) -> int:
 
     from .dataplanes.launch import DataPlaneError
     from .processes import ComponentDied
-    from .run_command import _run
+    from .run_command import run_on_uvloop
     from .runner import find_envoy
 
     try:
@@ -357,7 +356,7 @@ def main(args: argparse.Namespace) -> int:
     for index, scheduling in enumerate(schedulings, 1):
         _report(f"[{index}/{len(schedulings)}] scheduling {scheduling}")
         try:
-            report["runs"].append(_run(run_one(plan, scheduling, out, data_dir, not args.no_progress)))
+            report["runs"].append(run_on_uvloop(run_one(plan, scheduling, out, data_dir, not args.no_progress)))
         except KeyboardInterrupt:
             print("interrupted; every process stopped", file=sys.stderr)
             return 130

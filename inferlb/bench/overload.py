@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
     from .classes import is_mixed
     from .overload_live import OverloadRunner
     from .overload_report import render
-    from .run_command import _run
+    from .run_command import run_on_uvloop
     from .runner import find_envoy
     from .scenario import ScenarioError
 
@@ -138,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
     runner = OverloadRunner(scenario, out, plans=(), progress=not args.no_progress)
     started = time.monotonic()
     try:
-        live = _run(runner.overload(load, scenario.shed_slo_ms))
+        live = run_on_uvloop(runner.overload(load, scenario.shed_slo_ms))
     except KeyboardInterrupt:
         print("interrupted; every process stopped", file=sys.stderr)
         return 130

@@ -16,7 +16,8 @@ from inferlb_runtime.request_class import Priority
 from .classes import class_headers, trace_classes
 from .dataplanes import DataPlanePlan
 from .loadgen import LoadOutcome, run_load
-from .overload_report import ms, run_figures
+from .overload_report import run_figures
+from .table import ms
 from .processes import ProcessGroup
 from .runner import CAPACITY_CONFIGURATION, ScenarioRunner
 from .trace import Trace

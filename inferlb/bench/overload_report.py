@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .table import ms
+
 SHED_P99_TARGET_S = 0.005
 GOODPUT_TARGET = 0.95
 
@@ -40,10 +42,6 @@ def verdicts(run: dict[str, Any]) -> dict[str, bool | None]:
         "shed_429_within_5ms": None if shed_p99 is None else shed_p99 <= SHED_P99_TARGET_S,
         "goodput_95pct": run["goodput_of_capacity"] >= GOODPUT_TARGET,
     }
-
-
-def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
 def render(report: dict[str, Any]) -> str:

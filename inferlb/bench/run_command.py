@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
 
     runner = ScenarioRunner(scenario, out, plans=plans, progress=not args.no_progress)
     try:
-        outcome = _run(runner.run())
+        outcome = run_on_uvloop(runner.run())
     except KeyboardInterrupt:
         print(f"interrupted; every process stopped; partial results in {out}", file=sys.stderr)
         return 130
@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     return 1 if outcome.failures else 0
 
 
-def _run(coro):  # type: ignore[no-untyped-def]
+def run_on_uvloop(coro):  # type: ignore[no-untyped-def]
     """On uvloop (the load generator's loop of choice), with SIGTERM handled like Ctrl-C."""
     import asyncio
     import signal

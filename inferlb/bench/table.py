@@ -64,8 +64,9 @@ def target_ratios(results: Sequence[RunResult], subject: str = SUBJECT, load: fl
     return out
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.1f}"
+def ms(seconds: float | None) -> str:
+    """Seconds as milliseconds for a table cell; "-" for none."""
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"
 
 
 def _cpu(r: RunResult) -> str:
@@ -104,8 +105,8 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
     ordered = sorted(results, key=lambda r: (r.run != "steady", r.load, r.run))
     for r in ordered:
         lines.append(
-            f"| {r.configuration} | {r.run} | {r.load:.0%} | {r.offered_rps:.1f} | {_ms(r.p50_s)} | {_ms(r.p90_s)} "
-            f"| {_ms(r.p99_s)} | {_ms(r.p999_s)} | {r.goodput_rps:.1f} | {r.completed} | {r.errors} | {r.timeouts} "
+            f"| {r.configuration} | {r.run} | {r.load:.0%} | {r.offered_rps:.1f} | {ms(r.p50_s)} | {ms(r.p90_s)} "
+            f"| {ms(r.p99_s)} | {ms(r.p999_s)} | {r.goodput_rps:.1f} | {r.completed} | {r.errors} | {r.timeouts} "
             f"| {_cpu(r)} |")
     spread_rows = [(r, spread_by_speed(r)) for r in ordered]
     if any(text for _, text in spread_rows):

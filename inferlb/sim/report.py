@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from inferlb.bench.results import RunResult
 from inferlb.bench.scenario import Scenario
-from inferlb.bench.table import render_markdown
+from inferlb.bench.table import ms, render_markdown
 
 
 def spread_summary(result: RunResult, scenario: Scenario) -> str:
@@ -28,10 +28,6 @@ def spread_summary(result: RunResult, scenario: Scenario) -> str:
     return ", ".join(parts) + f" (min {min(counts)}, max {max(counts)})"
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
-
-
 def class_table(results: Sequence[RunResult]) -> list[str]:
     """Per class (runs with a class mix only): p50/p99 of the served, shed and the shed answers' p99,
     timeouts (the simulator's only other error), goodput; and the run's goodput as a share of capacity."""
@@ -43,8 +39,8 @@ def class_table(results: Sequence[RunResult]) -> list[str]:
              "| run goodput / capacity |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         for name, c in r.extra["classes"].items():
-            lines.append(f"| {r.configuration} | {r.load:.0%} | {name} | {c['sent']} | {_ms(c['p50_s'])} "
-                         f"| {_ms(c['p99_s'])} | {c['shed']} | {_ms(c['shed_p99_s'])} | {c['timeouts']} "
+            lines.append(f"| {r.configuration} | {r.load:.0%} | {name} | {c['sent']} | {ms(c['p50_s'])} "
+                         f"| {ms(c['p99_s'])} | {c['shed']} | {ms(c['shed_p99_s'])} | {c['timeouts']} "
                          f"| {c['goodput_rps']:.1f} | {r.extra['goodput_of_capacity']:.0%} |")
     return lines
 
