@@ -36,7 +36,7 @@ from .policy_registry import WeightPolicyRegistry
 from .replica_activity import watch_replicas
 from .scraper import Scraper, ScraperConfig
 from .serving import TlsConfigError, admin_tls_arguments, warn_plaintext, xds_server_settings
-from .store import OperatorState, OperatorStore, StoreError, open_store, restore
+from .store import OperatorState, OperatorStore, StoreError, live_key_entries, open_store, restore
 from .store.follow import follow
 from .xds import SnapshotCache, serve_xds, stop_xds
 
@@ -91,12 +91,13 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     metrics = ControlPlaneMetrics(lambda: controller_ref[0].state)
     # The operator's state is in the initial state: the first push already carries pins, drains, policy.
     weight_policy, stored = restored_policies(stored or OperatorState(), config.policy_allowlist)
-    controller = Controller(config, cache, metrics, restore(initial_state(config), stored), weight_policy)
+    controller = Controller(config, cache, metrics, restore(initial_state(config), stored), weight_policy,
+                            api_keys=live_key_entries(stored.api_keys))
     controller_ref.append(controller)
     await controller.start()
     nginx = await start_nginx(config, controller, metrics) if config.nginx.enabled else None
     service = AdminService(controller, store, deregistration_drain_s=config.deregistration_drain_s,
-                           stored_weight_policy=stored.weight_policy)
+                           stored_weight_policy=stored.weight_policy, api_keys=stored.api_keys)
     # Changes other replicas make in a shared store (SQLite: none; the task ends at once). Supervised: a
     # failure that escapes follow() is logged, counted and retried instead of ending the following unnoticed.
     follower = None if store is None else asyncio.create_task(

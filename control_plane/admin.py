@@ -34,12 +34,13 @@ import dataclasses
 import ipaddress
 import logging
 import math
+import secrets
 import time
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from fastapi import Depends, FastAPI, Path, Request, Response, Security
+from fastapi import Depends, FastAPI, Path, Query, Request, Response, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -48,12 +49,19 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlb_runtime import plugins
+from inferlb_runtime.api_keys import KEY_PREFIX, Quota, hash_key, new_key
+from inferlb_runtime.request_class import PRIORITIES
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.supervision import Supervised
 
 from . import pick_catalogue
 from .api_models import (
+    KEY_HINT_LENGTH,
     ActivePolicy,
+    ApiKeyCreate,
+    ApiKeyCreated,
+    ApiKeyList,
+    ApiKeyOut,
     AvailablePolicies,
     AvailablePolicy,
     DataPlaneStatus,
@@ -83,7 +91,16 @@ from .model import Endpoint, FleetState, Health, PickPolicySpec, Telemetry
 from .nginx.applier import NginxApplier
 from .policy import WeightPolicy
 from .policy_registry import WeightPolicyRegistry, weight_policy_params
-from .store import OperatorState, OperatorStore, PolicyKind, StoredPolicy, StoreError, reconcile
+from .store import (
+    OperatorState,
+    OperatorStore,
+    PolicyKind,
+    StoredApiKey,
+    StoredPolicy,
+    StoreError,
+    live_key_entries,
+    reconcile,
+)
 from .telemetry import is_stale
 from .type_urls import ENDPOINT, SHORT_NAMES
 from .weight_policies import builtin_weight_policies
@@ -98,6 +115,10 @@ IDLE_BELOW = 0.5
 BEARER = HTTPBearer(auto_error=False, description="the admin token")
 Credentials = typing.Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]
 EndpointId = typing.Annotated[str, Path(description="host:port", examples=["127.0.0.1:8101"], max_length=300)]
+ApiKeyId = typing.Annotated[str, Path(description="the key's id (not the key)", examples=["key_0123456789abcdef"],
+                                      max_length=100)]
+# Listing keys shows tenants and their quotas: these routes need the token for reads too.
+API_KEYS_PATH = "/v1/api-keys"
 
 
 class ApiError(Exception):
@@ -127,6 +148,7 @@ def _responses(*entries: dict[int | str, dict[str, Any]]) -> dict[int | str, dic
 E400 = _errors(400, "invalid_json", "unknown_policy")
 E401 = _errors(401, "unauthorized")
 E404 = _errors(404, "endpoint_not_found")
+E404_KEY = _errors(404, "api_key_not_found")
 E409 = _errors(409, "endpoint_exists", "static_endpoint", "endpoint_removing")
 E422 = _errors(422, "validation_error", "invalid_params")
 E503 = _errors(503, "store_unavailable")
@@ -180,6 +202,14 @@ def _validation_detail(exc: ValidationError | RequestValidationError) -> list[di
              "type": str(err.get("type", ""))} for err in exc.errors()]
 
 
+def api_key_out(key: StoredApiKey) -> ApiKeyOut:
+    q = key.quota
+    return ApiKeyOut(id=key.id, key_hint=key.key_hint, tenant=key.tenant, name=key.name,
+                     priority=key.priority.name.lower(), weight=key.weight, tokens_per_minute=q.tokens_per_minute,
+                     requests_per_minute=q.requests_per_minute, max_tokens_in_flight=q.max_tokens_in_flight,
+                     created_at=key.created_at, revoked_at=key.revoked_at)
+
+
 def _replace_endpoint(endpoint_id: str, **changes: Any) -> Callable[[FleetState], FleetState]:
     def change(state: FleetState) -> FleetState:
         return dataclasses.replace(state, endpoints=tuple(
@@ -195,8 +225,10 @@ class AdminService:
 
     def __init__(self, controller: Controller, store: OperatorStore | None = None, *,
                  deregistration_drain_s: float = DEFAULT_DEREGISTRATION_DRAIN_S,
-                 stored_weight_policy: StoredPolicy | None = None) -> None:
+                 stored_weight_policy: StoredPolicy | None = None, api_keys: Iterable[StoredApiKey] = ()) -> None:
         self.controller = controller
+        # Every key, live and revoked, by id: what the store holds (the controller pushes the live ones).
+        self._api_keys: dict[str, StoredApiKey] = {k.id: k for k in api_keys}
         self.store = store
         self.deregistration_drain_s = deregistration_drain_s
         self._lock = asyncio.Lock()
@@ -282,11 +314,12 @@ class AdminService:
 
     # -- acting -------------------------------------------------------------------------------------
 
-    async def _commit(self, write: Callable[[OperatorStore], Any]) -> None:
+    async def _commit(self, write: Callable[[OperatorStore], Any]) -> Any:
+        """``write`` to the store and its result (None without a store), or 503 with nothing changed."""
         if self.store is None:
-            return
+            return None
         try:
-            await write(self.store)
+            return await write(self.store)
         except StoreError as exc:
             log.error("store write failed: nothing changed", extra={"error": str(exc)})
             raise ApiError(503, "store_unavailable", "the change could not be saved; nothing changed",
@@ -412,6 +445,54 @@ class AdminService:
             log.info("policy changed", extra={"policies": {k: v.name for k, v in stored.items()}})
         return self.policy()
 
+    # -- API keys -----------------------------------------------------------------------------------
+
+    def api_keys(self, tenant: str | None = None, include_revoked: bool = False) -> ApiKeyList:
+        keys = sorted(self._api_keys.values(), key=lambda k: (k.created_at, k.id))
+        return ApiKeyList(api_keys=[api_key_out(k) for k in keys
+                                    if (tenant is None or k.tenant == tenant) and (include_revoked or k.live)])
+
+    def api_key(self, key_id: str) -> ApiKeyOut:
+        return api_key_out(self._find_key(key_id))
+
+    def _find_key(self, key_id: str) -> StoredApiKey:
+        key = self._api_keys.get(key_id)
+        if key is None:
+            raise ApiError(404, "api_key_not_found", f"no API key {key_id!r}")
+        return key
+
+    async def create_api_key(self, body: ApiKeyCreate) -> ApiKeyCreated:
+        """A new key: stored as its hash, pushed to ext_proc at once; the key itself is in this answer only."""
+        key = new_key()
+        record = StoredApiKey(
+            id=f"key_{secrets.token_hex(8)}", tenant=body.tenant, key_hash=hash_key(key),
+            key_hint=key[len(KEY_PREFIX):][:KEY_HINT_LENGTH], name=body.name, priority=PRIORITIES[body.priority],
+            weight=body.weight, quota=Quota(body.tokens_per_minute, body.requests_per_minute,
+                                            body.max_tokens_in_flight),
+            created_at=time.time())
+        async with self._lock:
+            await self._commit(lambda s: s.add_api_key(record))
+            self._api_keys[record.id] = record
+            await self._push_api_keys()
+        log.info("API key created", extra={"key_id": record.id, "tenant": record.tenant})
+        return ApiKeyCreated(key=key, **api_key_out(record).model_dump())
+
+    async def revoke_api_key(self, key_id: str) -> ApiKeyOut:
+        """Revoke (ext_proc drops the key at once); revoking again keeps the first time."""
+        async with self._lock:
+            record = self._find_key(key_id)
+            if record.live:
+                at = time.time()
+                stored = await self._commit(lambda s: s.revoke_api_key(key_id, at))
+                record = stored if stored is not None else dataclasses.replace(record, revoked_at=at)
+                self._api_keys[key_id] = record
+                await self._push_api_keys()
+                log.info("API key revoked", extra={"key_id": key_id, "tenant": record.tenant})
+            return api_key_out(record)
+
+    async def _push_api_keys(self) -> None:
+        await self.controller.set_api_keys(live_key_entries(self._api_keys.values()))
+
 
     # -- another replica changed the shared store (store.follow) ----------------------------------
 
@@ -441,7 +522,13 @@ class AdminService:
                 self.controller.update(_replace_endpoint(endpoint_id, draining=True))
                 self._start_removal(endpoint_id)
                 log.info("endpoint deregistered on another replica: draining", extra={"endpoint": endpoint_id})
-            return self.controller.state != state_before or self.controller.policy is not policy_before
+            keys = {k.id: k for k in stored.api_keys}
+            keys_changed = keys != self._api_keys
+            if keys_changed:  # created or revoked on another replica
+                self._api_keys = keys
+                await self._push_api_keys()
+            return self.controller.state != state_before or self.controller.policy is not policy_before \
+                or keys_changed
 
     def _apply_stored_policies(self, stored: OperatorState) -> OperatorState:
         """Switch to a changed stored weight policy; ``stored`` without a pick policy that does not validate
@@ -492,7 +579,7 @@ inferlb's control plane: see and override what it decides.
 
 Every mutation needs `Authorization: Bearer <token>` (the token is in
 `<data_dir>/admin-token` unless configured). Reads are open from loopback
-unless `admin_auth_reads` is set. Changes reach every Envoy and ext_proc
+unless `admin_auth_reads` is set; `/v1/api-keys` always needs it. Changes reach every Envoy and ext_proc
 through xDS within about a second, and survive restarts.
 
 Errors: `{"error": {"status", "code", "message", "detail"}}`.
@@ -530,7 +617,7 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
                            {"WWW-Authenticate": 'Bearer realm="inferlb", error="invalid_token"'})
 
     def needs_token(request: Request) -> bool:
-        if request.method not in ("GET", "HEAD", "OPTIONS"):
+        if request.method not in ("GET", "HEAD", "OPTIONS") or request.url.path.startswith(API_KEYS_PATH):
             return True
         return auth_reads or not is_loopback(request.client.host if request.client else None)
 
@@ -673,6 +760,32 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
              responses=_responses(E401))
     async def xds_clients() -> XdsClients:
         return service.xds_clients()
+
+    @app.post(API_KEYS_PATH, response_model=ApiKeyCreated, status_code=201, dependencies=write, tags=["api keys"],
+              summary="Create an API key for a tenant: the key is in this answer only (stored as its hash)",
+              responses=_responses(E400, E401, E422, E503))
+    async def create_api_key(body: ApiKeyCreate, response: Response) -> ApiKeyCreated:
+        out = await service.create_api_key(body)
+        response.headers["Location"] = f"{API_KEYS_PATH}/{out.id}"
+        return out
+
+    @app.get(API_KEYS_PATH, response_model=ApiKeyList, dependencies=write, tags=["api keys"],
+             summary="The API keys (live ones unless include_revoked), oldest first; never a key nor its hash",
+             responses=_responses(E401, E422))
+    async def list_api_keys(tenant: typing.Annotated[str | None, Query(max_length=63)] = None,
+                            include_revoked: bool = False) -> ApiKeyList:
+        return service.api_keys(tenant, include_revoked)
+
+    @app.get(API_KEYS_PATH + "/{key_id}", response_model=ApiKeyOut, dependencies=write, tags=["api keys"],
+             summary="One API key (revoked ones too)", responses=_responses(E401, E404_KEY, E422))
+    async def get_api_key(key_id: ApiKeyId) -> ApiKeyOut:
+        return service.api_key(key_id)
+
+    @app.delete(API_KEYS_PATH + "/{key_id}", response_model=ApiKeyOut, dependencies=write, tags=["api keys"],
+                summary="Revoke an API key: ext_proc refuses it within a push (revoking again keeps the first time)",
+                responses=_responses(E401, E404_KEY, E422, E503))
+    async def revoke_api_key(key_id: ApiKeyId) -> ApiKeyOut:
+        return await service.revoke_api_key(key_id)
 
     @app.get("/v1/dataplane", response_model=DataPlaneStatus, dependencies=read, tags=["dataplane"],
              summary="The data plane: envoy (xDS), or nginx with its applied config, reloads and last error",

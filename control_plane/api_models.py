@@ -15,11 +15,14 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    StrictFloat,
     StrictInt,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from inferlb_runtime.api_keys import KEY_PREFIX, TENANT_PATTERN
 
 from .model import MAX_WEIGHT, MIN_WEIGHT, normalise_address
 
@@ -212,11 +215,60 @@ class XdsClientOut(BaseModel):
     group: str = Field(description="the snapshot group it is served from")
     mode: Literal["sotw", "delta"]
     connected_at: float = Field(description="unix time")
-    types: dict[str, TypeStatusOut] = Field(description="by short type name: cds, eds, lds, rds")
+    types: dict[str, TypeStatusOut] = Field(description="by short type name: cds, eds, lds, rds, keys "
+                                                        "(ext_proc's API key table)")
 
 
 class XdsClients(BaseModel):
     clients: list[XdsClientOut]
+
+
+# --- API keys --------------------------------------------------------------------------------------
+
+PriorityName = Literal["critical", "standard", "sheddable"]
+# Quotas travel to ext_proc as protobuf doubles: beyond 2**53 they would not be exact integers.
+MAX_QUOTA = 2**53
+KEY_HINT_LENGTH = 8
+Limit = Annotated[Integer | None, Field(ge=1, le=MAX_QUOTA)]
+
+
+class ApiKeyCreate(_Request):
+    tenant: str = Field(pattern=TENANT_PATTERN.pattern, max_length=63, examples=["acme"],
+                        description="whose counters, quotas and fair share the key's requests use (several keys "
+                                    "may share a tenant); lower case, digits, '_', '.', '-'")
+    name: str | None = Field(None, min_length=1, max_length=200, description="the operator's label")
+    priority: PriorityName = Field("standard", description="the class of the key's requests: the default, and "
+                                                          "the best a request may claim")
+    weight: StrictFloat = Field(1.0, gt=0, le=1000, description="the tenant's share when the fleet is saturated")
+    tokens_per_minute: Limit = Field(None, description="null: unlimited", examples=[100000])
+    requests_per_minute: Limit = Field(None, description="null: unlimited", examples=[600])
+    max_tokens_in_flight: Limit = Field(None, description="null: unlimited", examples=[20000])
+
+
+class ApiKeyOut(BaseModel):
+    """An API key as listed: never the key, nor its hash."""
+
+    id: str = Field(examples=["key_0123456789abcdef"])
+    key_hint: str = Field(description=f"the first {KEY_HINT_LENGTH} characters after {KEY_PREFIX!r}: tells keys "
+                                      "apart, useless as a key")
+    tenant: str
+    name: str | None
+    priority: PriorityName
+    weight: float
+    tokens_per_minute: int | None
+    requests_per_minute: int | None
+    max_tokens_in_flight: int | None
+    created_at: float = Field(description="unix time")
+    revoked_at: float | None = Field(description="unix time of the (first) revocation; null: live")
+
+
+class ApiKeyCreated(ApiKeyOut):
+    key: str = Field(description="the key, for Authorization: Bearer <key>: shown in this answer only (the "
+                                 "control plane keeps its SHA-256)")
+
+
+class ApiKeyList(BaseModel):
+    api_keys: list[ApiKeyOut] = Field(description="oldest first")
 
 
 # --- data plane (NGINX mode) --------------------------------------------------------------------------

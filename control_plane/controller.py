@@ -10,7 +10,10 @@ Two snapshots per state: the Envoys' (the cache's default, lean EDS: address,
 health, weight) and ext_proc's (node group
 ``DataPlaneSettings.ext_proc_node_cluster``: the same CDS/LDS/RDS, EDS with
 the telemetry and pick-policy metadata). A telemetry-only change leaves the
-Envoys' one unchanged: nothing is pushed to Envoys.
+Envoys' one unchanged: nothing is pushed to Envoys. ext_proc's also carries
+the API key table (``resources.api_keys``); a created or revoked key replaces
+just that in ext_proc's current snapshot, at once (``set_api_keys``), without
+waiting for a publish.
 
 Envoys first: when the Envoys' EDS changed, ext_proc's snapshot is built only
 once every Envoy has acknowledged it (or after ``ENVOYS_FIRST_MAX_WAIT_S``;
@@ -29,7 +32,9 @@ import asyncio
 import dataclasses
 import logging
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
+
+from inferlb_runtime.api_keys import KeyEntry
 
 from .config import ControlPlaneConfig, parse_endpoint
 from .debounce import Debouncer
@@ -40,9 +45,9 @@ from .model import Endpoint, FleetState
 from .policy import WeightPolicy, fleet_view
 from .policy_guard import WeightPolicyGuard
 from .policy_registry import WeightPolicyRegistry
-from .resources import EndpointMemo, build_static_resources, encode_load_assignment
+from .resources import EndpointMemo, build_api_keys, build_static_resources, encode_load_assignment
 from .scraper import ScrapeResult, apply_scrape_results
-from .type_urls import ENDPOINT
+from .type_urls import ENDPOINT, KEYS
 from .xds import Snapshot, SnapshotCache, make_epoch
 from .xds.snapshot import Encoded
 
@@ -66,10 +71,12 @@ def build_snapshot(state: FleetState, epoch: str, memo: EndpointMemo | None = No
 
 
 def build_ext_proc_snapshot(state: FleetState, envoy_snapshot: Snapshot, memo: EndpointMemo | None = None,
-                            replicas: Sequence[str] = ()) -> Snapshot:
+                            replicas: Sequence[str] = (), api_keys: Encoded | None = None) -> Snapshot:
     """ext_proc's snapshot: ``envoy_snapshot`` (built from the same ``state``) with the rich EDS
-    (``replicas``: the connected ext_proc node ids, which they partition a large fleet by)."""
-    return envoy_snapshot.replace_type(ENDPOINT, _eds(state, True, memo, replicas))
+    (``replicas``: the connected ext_proc node ids, which they partition a large fleet by) and the API key
+    table (``resources.build_api_keys``; None: an empty one)."""
+    keys = api_keys if api_keys is not None else build_api_keys(())
+    return envoy_snapshot.replace_types({ENDPOINT: _eds(state, True, memo, replicas), KEYS: {keys.name: keys}})
 
 
 def initial_state(config: ControlPlaneConfig) -> FleetState:
@@ -88,6 +95,7 @@ class Controller:
         metrics: ControlPlaneMetrics | None = None,
         state: FleetState | None = None,
         policy: WeightPolicy | None = None,
+        api_keys: Iterable[KeyEntry] = (),
     ) -> None:
         self.config = config
         self.cache = cache
@@ -102,6 +110,8 @@ class Controller:
         self.ext_proc_snapshot: Snapshot | None = None
         self.published_state: FleetState | None = None  # the state the Envoys' current snapshot was built from
         self.published_replicas: tuple[str, ...] = ()  # the ext_proc node ids ext_proc's snapshot lists
+        self.api_keys: tuple[KeyEntry, ...] = tuple(api_keys)  # the live keys ext_proc is told of
+        self._api_keys_resource = build_api_keys(self.api_keys)
         self._active_replicas: frozenset[str] = frozenset()  # those that carried traffic at the last look
         self._memos = (EndpointMemo(), EndpointMemo())  # Envoys', ext_proc's: used under _publish_lock only
         self.published = asyncio.Event()
@@ -133,6 +143,26 @@ class Controller:
             for listener in self._listeners:
                 listener(new)
         return new
+
+    async def set_api_keys(self, entries: Iterable[KeyEntry]) -> None:
+        """Make ``entries`` the live API keys and push them to ext_proc now (not after the debounce: a
+        revoked key should stop working at once); returns once ext_proc's snapshot has them."""
+        keys = tuple(entries)
+        if keys == self.api_keys:
+            return
+        self.api_keys = keys
+        self._api_keys_resource = resource = await asyncio.to_thread(build_api_keys, keys)
+        async with self._publish_lock:  # a publish under way builds from the table it read: replace after it
+            current = self.ext_proc_snapshot
+            if current is None or self._api_keys_resource is not resource:
+                return  # the first publish carries it, or a later call already replaced it
+            started = time.perf_counter()
+            snapshot = await asyncio.to_thread(current.replace_type, KEYS, {resource.name: resource})
+            self.cache.set_snapshot(self.state.settings.ext_proc_node_cluster, snapshot)
+            self.ext_proc_snapshot = snapshot
+            if self.metrics is not None:
+                self.metrics.snapshot_published(snapshot.changed_types(current), time.perf_counter() - started)
+            log.info("API key table pushed", extra={"keys": len(keys), "version": snapshot.version(KEYS)})
 
     def add_listener(self, listener: Callable[[FleetState], None]) -> None:
         """Call ``listener(state)`` on every real change (another data plane, e.g. NGINX, follows the state)."""
@@ -229,7 +259,8 @@ class Controller:
             if ENDPOINT in changed:
                 await self.cache.wait_default_settled(ENDPOINT, ENVOYS_FIRST_MAX_WAIT_S)
             replicas = self.ext_proc_replicas()
-            ext_proc = await asyncio.to_thread(build_ext_proc_snapshot, state, snapshot, self._memos[1], replicas)
+            ext_proc = await asyncio.to_thread(build_ext_proc_snapshot, state, snapshot, self._memos[1], replicas,
+                                               self._api_keys_resource)
             self.published_replicas = replicas
             ext_proc_changed = ext_proc.changed_types(self.ext_proc_snapshot)
             self.cache.set_snapshot(state.settings.ext_proc_node_cluster, ext_proc)

@@ -57,6 +57,8 @@ OPERATIONS = [
     ("POST", "/v1/endpoints/{endpoint_id}/drain"), ("DELETE", "/v1/endpoints/{endpoint_id}/drain"),
     ("GET", "/v1/policy"), ("PUT", "/v1/policy"),
     ("GET", "/v1/xds/clients"), ("GET", "/v1/dataplane"),
+    ("POST", "/v1/api-keys"), ("GET", "/v1/api-keys"),
+    ("GET", "/v1/api-keys/{key_id}"), ("DELETE", "/v1/api-keys/{key_id}"),
     ("GET", "/healthz"), ("GET", "/readyz"),
 ]
 
@@ -64,6 +66,14 @@ OPERATIONS = [
 def control_plane_endpoints(cp: ControlPlane) -> list[str]:
     with http() as client:
         return sorted(e["id"] for e in client.get(f"{cp.admin_url}/v1/endpoints").json()["endpoints"])
+
+
+def created_key(cp: ControlPlane) -> str:
+    with http() as client:
+        response = client.post(f"{cp.admin_url}/v1/api-keys", json={"tenant": "fuzzed"},
+                               headers={"Authorization": f"Bearer {cp.admin_token()}"})
+        assert response.status_code == 201, response.text
+        return response.json()["id"]
 
 
 def test_the_list_covers_every_operation(admin_schema: schemathesis.BaseSchema) -> None:
@@ -82,6 +92,9 @@ def test_the_admin_api_keeps_its_own_schema(method: str, path: str, admin_schema
         existing = control_plane_endpoints(control_plane)
         strategies += [operation.as_strategy(GenerationMode.POSITIVE, path_parameters={"endpoint_id": e})
                        for e in existing]
+    if "{key_id}" in path:  # a key that exists, so GET and DELETE get past the 404
+        strategies.append(operation.as_strategy(GenerationMode.POSITIVE,
+                                                path_parameters={"key_id": created_key(control_plane)}))
     strategy = st.one_of(strategies)
     headers = {"Authorization": f"Bearer {control_plane.admin_token()}"}
 

@@ -15,11 +15,13 @@ One module per resource kind, so that each reads on its own:
 * ``endpoints``: the ClusterLoadAssignment (EDS) in its two variants, Envoy's and ext_proc's;
 * ``struct_wire``: the hand-written canonical encoding of the EDS metadata Structs;
 * ``messages``: the small protobuf constructors they all use;
-* ``bundle``: every resource of one node group, by type URL.
+* ``bundle``: every resource of one node group, by type URL;
+* ``api_keys``: ext_proc's API key table (a Struct; ext_proc's node group only).
 
 The names below are the package's public surface: ``from control_plane.resources import X``.
 """
 
+from .api_keys import build_api_keys
 from .bundle import build_resources, build_static_resources
 from .clusters import (
     H2_KEEPALIVE_INTERVAL_S,
@@ -91,6 +93,7 @@ __all__ = [
     "TELEMETRY_SIGNIFICANT_DIGITS",
     "TLS_TRANSPORT_SOCKET",
     "EndpointMemo",
+    "build_api_keys",
     "build_downstream_tls",
     "build_ext_proc_cluster",
     "build_ext_proc_filter",

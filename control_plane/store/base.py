@@ -1,8 +1,9 @@
 """What every store keeps, the contract every store meets, and how stored state meets the fleet.
 
 What is stored is what an operator set through the admin API, nothing the
-control plane can recompute: endpoints registered by API, pins, drains, and
-the active weight and pick policies with their parameters.
+control plane can recompute: endpoints registered by API, pins, drains, the
+active weight and pick policies with their parameters, and API keys (their
+hash only: the key itself is shown once, when it is created, and never kept).
 
 Two ways the stored state reaches the controller's ``FleetState``:
 
@@ -19,9 +20,12 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
+
+from inferlb_runtime.api_keys import KeyEntry, Quota
+from inferlb_runtime.request_class import PRIORITIES, Priority
 
 from ..model import Endpoint, FleetState, PickPolicySpec
 
@@ -48,6 +52,67 @@ class Override:
 
 
 @dataclass(frozen=True)
+class StoredApiKey:
+    """One API key as the store keeps it: its SHA-256 (``api_keys.hash_key``), never the key.
+
+    ``key_hint``: the first characters after the key's prefix, so an operator can tell keys apart in a
+    listing (as OpenAI's redacted keys do). Times are unix seconds; ``revoked_at`` None: live.
+    """
+
+    id: str
+    tenant: str
+    key_hash: str
+    key_hint: str
+    name: str | None = None
+    priority: Priority = Priority.STANDARD
+    weight: float = 1.0
+    quota: Quota = Quota()
+    created_at: float = 0.0
+    revoked_at: float | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.revoked_at is None
+
+    def entry(self) -> KeyEntry:
+        """What ext_proc is told about this key (the pushed table's row)."""
+        return KeyEntry(self.key_hash, self.id, self.tenant, self.priority, self.weight, self.quota)
+
+
+def live_key_entries(keys: Iterable[StoredApiKey]) -> tuple[KeyEntry, ...]:
+    """The table ext_proc gets: the live keys, by id."""
+    return tuple(k.entry() for k in sorted(keys, key=lambda k: k.id) if k.live)
+
+
+# The api_keys columns both stores write as they are, in :func:`api_key_row`'s order (then each store's
+# created_at and revoked_at, in its own time type).
+API_KEY_COLUMNS = ("id, tenant, key_hash, key_hint, name, priority, weight, tokens_per_minute, "
+                   "requests_per_minute, max_tokens_in_flight")
+
+
+def api_key_row(key: StoredApiKey) -> tuple[Any, ...]:
+    """The values of :data:`API_KEY_COLUMNS`."""
+    q = key.quota
+    return (key.id, key.tenant, key.key_hash, key.key_hint, key.name, key.priority.name.lower(), key.weight,
+            q.tokens_per_minute, q.requests_per_minute, q.max_tokens_in_flight)
+
+
+def api_key_from_row(row: Sequence[Any], where: str) -> StoredApiKey:
+    """A record from :func:`api_key_row`'s columns plus ``created_at`` and ``revoked_at`` (unix seconds)."""
+    (key_id, tenant, key_hash, hint, name, priority, weight, tpm, rpm, in_flight, created, revoked) = row
+    level = PRIORITIES.get(str(priority))
+    if level is None:
+        raise StoreError(f"{where}: api key {key_id}: unknown priority {priority!r}")
+    return StoredApiKey(str(key_id), str(tenant), str(key_hash), str(hint), None if name is None else str(name),
+                        level, float(weight), Quota(_limit(tpm), _limit(rpm), _limit(in_flight)), float(created),
+                        None if revoked is None else float(revoked))
+
+
+def _limit(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
 class OperatorState:
     """Everything in the store, as plain values."""
 
@@ -55,6 +120,7 @@ class OperatorState:
     overrides: Mapping[str, Override] = field(default_factory=dict)  # endpoint id -> pin / drain
     weight_policy: StoredPolicy | None = None
     pick_policy: StoredPolicy | None = None
+    api_keys: tuple[StoredApiKey, ...] = ()  # live and revoked, in creation order
 
 
 @dataclass(frozen=True)
@@ -99,6 +165,13 @@ class OperatorStore(Protocol):
     async def set_override(self, endpoint_id: str, pinned_weight: int | None, draining: bool) -> None: ...
 
     async def set_policies(self, policies: Mapping[PolicyKind, StoredPolicy]) -> None: ...
+
+    async def add_api_key(self, key: StoredApiKey) -> None: ...
+
+    async def revoke_api_key(self, key_id: str, at: float) -> StoredApiKey | None:
+        """Mark the key revoked at ``at`` (a key already revoked keeps its first time); the record, or
+        None if there is no such key."""
+        ...
 
     def changes(self, reload_interval_s: float) -> AsyncIterator[StoreChange]:
         """Changes made by others, forever (a store nobody else writes yields nothing)."""

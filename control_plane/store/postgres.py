@@ -42,13 +42,17 @@ from psycopg import conninfo
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
 from .base import (
+    API_KEY_COLUMNS,
     OneThreadStore,
     OperatorState,
     Override,
     PolicyKind,
     StoreChange,
+    StoredApiKey,
     StoredPolicy,
     StoreError,
+    api_key_from_row,
+    api_key_row,
 )
 
 log = logging.getLogger("inferlb.control_plane.store")
@@ -88,8 +92,30 @@ def _migration_1(cur: psycopg.Cursor[Any]) -> None:
     cur.execute("CREATE SEQUENCE operator_state_revision")
 
 
+def _migration_2(cur: psycopg.Cursor[Any]) -> None:
+    """API keys (issue 14): the key's SHA-256, never the key."""
+    cur.execute("""
+        CREATE TABLE api_keys (
+            id                   text PRIMARY KEY,
+            tenant               text NOT NULL,
+            key_hash             text NOT NULL UNIQUE CHECK (length(key_hash) = 64),
+            key_hint             text NOT NULL,
+            name                 text,
+            priority             text NOT NULL CHECK (priority IN ('critical', 'standard', 'sheddable')),
+            weight               double precision NOT NULL CHECK (weight > 0 AND weight <= 1000),
+            tokens_per_minute    bigint CHECK (tokens_per_minute IS NULL OR tokens_per_minute > 0),
+            requests_per_minute  bigint CHECK (requests_per_minute IS NULL OR requests_per_minute > 0),
+            max_tokens_in_flight bigint CHECK (max_tokens_in_flight IS NULL OR max_tokens_in_flight > 0),
+            created_at           timestamptz NOT NULL,
+            revoked_at           timestamptz
+        )""")
+
+
 # Ordered: MIGRATIONS[i] takes the schema from version i to i + 1. Append only.
-MIGRATIONS: tuple[Callable[[psycopg.Cursor[Any]], None], ...] = (_migration_1,)
+MIGRATIONS: tuple[Callable[[psycopg.Cursor[Any]], None], ...] = (_migration_1, _migration_2)
+# Times as unix seconds, as the SQLite store keeps them.
+_API_KEY_SELECT = (f"SELECT {API_KEY_COLUMNS}, extract(epoch FROM created_at)::float8, "
+                   "extract(epoch FROM revoked_at)::float8 FROM api_keys")
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -271,7 +297,7 @@ class PostgresStore(OneThreadStore):
         return await self._acall(lambda: self._run(self._load))
 
     def _load(self, conn: psycopg.Connection[Any]) -> OperatorState:
-        with conn.transaction(), conn.cursor() as cur:  # one snapshot of all three tables
+        with conn.transaction(), conn.cursor() as cur:  # one snapshot of all the tables
             cur.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
             endpoints = tuple((str(a), int(p)) for a, p in
                               cur.execute("SELECT address, port FROM endpoints ORDER BY created_at, id"))
@@ -282,7 +308,9 @@ class PostgresStore(OneThreadStore):
                 if not isinstance(params, dict):
                     raise StoreError(f"{self._location}: stored {kind} policy parameters are not an object")
                 policies[kind] = StoredPolicy(str(name), params)
-        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"))
+            api_keys = tuple(api_key_from_row(row, self._location) for row in
+                             cur.execute(f"{_API_KEY_SELECT} ORDER BY created_at, id"))
+        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"), api_keys)
 
     # -- writing (each returns once committed) ----------------------------------------------------
 
@@ -329,6 +357,29 @@ class PostgresStore(OneThreadStore):
                             "updated_at = clock_timestamp()", rows)
 
         await self._acall(lambda: self._write(statements))
+
+    async def add_api_key(self, key: StoredApiKey) -> None:
+        row = (*api_key_row(key), key.created_at)
+
+        def statements(cur: psycopg.Cursor[Any]) -> None:
+            cur.execute(f"INSERT INTO api_keys ({API_KEY_COLUMNS}, created_at) "
+                        f"VALUES ({', '.join(['%s'] * (len(row) - 1))}, to_timestamp(%s))", row)
+
+        await self._acall(lambda: self._write(statements))
+
+    async def revoke_api_key(self, key_id: str, at: float) -> StoredApiKey | None:
+        found: list[StoredApiKey] = []
+
+        def statements(cur: psycopg.Cursor[Any]) -> None:
+            found.clear()  # a retry on a fresh connection runs this again
+            cur.execute("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, to_timestamp(%s)) WHERE id = %s",
+                        (at, key_id))
+            row = cur.execute(f"{_API_KEY_SELECT} WHERE id = %s", (key_id,)).fetchone()
+            if row is not None:
+                found.append(api_key_from_row(row, self._location))
+
+        await self._acall(lambda: self._write(statements))
+        return found[0] if found else None
 
     # -- the change feed --------------------------------------------------------------------------
 

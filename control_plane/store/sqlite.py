@@ -37,13 +37,17 @@ from typing import TypeVar
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
 from .base import (
+    API_KEY_COLUMNS,
     OneThreadStore,
     OperatorState,
     Override,
     PolicyKind,
     StoreChange,
+    StoredApiKey,
     StoredPolicy,
     StoreError,
+    api_key_from_row,
+    api_key_row,
 )
 
 log = logging.getLogger("inferlb.control_plane.store")
@@ -80,9 +84,31 @@ def _migration_1(db: sqlite3.Connection) -> None:
     db.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
 
 
+def _migration_2(db: sqlite3.Connection) -> None:
+    """API keys (issue 14): the key's SHA-256, never the key."""
+    db.execute("""
+        CREATE TABLE api_keys (
+            id                   TEXT PRIMARY KEY,
+            tenant               TEXT NOT NULL,
+            key_hash             TEXT NOT NULL UNIQUE CHECK (length(key_hash) = 64),
+            key_hint             TEXT NOT NULL,
+            name                 TEXT,
+            priority             TEXT NOT NULL CHECK (priority IN ('critical', 'standard', 'sheddable')),
+            weight               REAL NOT NULL CHECK (weight > 0 AND weight <= 1000),
+            tokens_per_minute    INTEGER CHECK (tokens_per_minute IS NULL OR tokens_per_minute > 0),
+            requests_per_minute  INTEGER CHECK (requests_per_minute IS NULL OR requests_per_minute > 0),
+            max_tokens_in_flight INTEGER CHECK (max_tokens_in_flight IS NULL OR max_tokens_in_flight > 0),
+            created_at           REAL NOT NULL,
+            revoked_at           REAL
+        )""")
+
+
 # Ordered: MIGRATIONS[i] takes the schema from version i to i + 1. Append only.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1,)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1, _migration_2)
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+_API_KEY_SELECT = f"SELECT {API_KEY_COLUMNS}, created_at, revoked_at FROM api_keys"
 
 
 # --- the store -------------------------------------------------------------------------------------
@@ -227,7 +253,9 @@ class Store(OneThreadStore):
             if not isinstance(decoded, dict):
                 raise StoreError(f"{self.path}: stored {kind} policy parameters are not an object")
             policies[kind] = StoredPolicy(str(name), decoded)
-        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"))
+        api_keys = tuple(api_key_from_row(row, str(self.path)) for row in
+                         db.execute(f"{_API_KEY_SELECT} ORDER BY created_at, id"))
+        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"), api_keys)
 
     # -- writing (each returns once committed) ----------------------------------------------------
 
@@ -270,3 +298,21 @@ class Store(OneThreadStore):
                            rows)
 
         await self._acall(lambda: self._write(statements))
+
+    async def add_api_key(self, key: StoredApiKey) -> None:
+        row = (*api_key_row(key), key.created_at)
+
+        def statements(db: sqlite3.Connection) -> None:
+            db.execute(f"INSERT INTO api_keys ({API_KEY_COLUMNS}, created_at) "
+                       f"VALUES ({', '.join('?' * len(row))})", row)
+
+        await self._acall(lambda: self._write(statements))
+
+    async def revoke_api_key(self, key_id: str, at: float) -> StoredApiKey | None:
+        def revoke() -> StoredApiKey | None:
+            self._write(lambda db: db.execute(
+                "UPDATE api_keys SET revoked_at = COALESCE(revoked_at, ?) WHERE id = ?", (at, key_id)))
+            row = self._conn().execute(f"{_API_KEY_SELECT} WHERE id = ?", (key_id,)).fetchone()
+            return None if row is None else api_key_from_row(row, str(self.path))
+
+        return await self._acall(revoke)

@@ -28,7 +28,10 @@ Why one state machine for both: the rules below are the protocol, whichever vari
   deleting).
 * A fresh request for a type (the first on a stream, or a SotW request with
   no nonce) always gets a response, even an empty one, so Envoy's
-  initialisation never waits for ``initial_fetch_timeout``.
+  initialisation never waits for ``initial_fetch_timeout``; unless the
+  group's snapshot does not carry the type at all (ext_proc's API key table,
+  ``type_urls.EXTENSION_TYPES``, asked for on an Envoy's stream): that is
+  never answered, and never holds up the other types.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from typing import Generic, Iterable, Mapping, TypeVar
 
 from google.protobuf.message import Message
 
-from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, PUSH_ORDER, ROUTE, SHORT_NAMES
+from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, ROUTE, SERVED_TYPES, SHORT_NAMES
 from control_plane.xds.cache import SnapshotCache
 from control_plane.xds.clients import Mode, StreamRecord, XdsMetrics
 from control_plane.xds.snapshot import Snapshot, VersionedResource
@@ -123,7 +126,7 @@ class StreamProtocol(ABC, Generic[S]):
         return state, False
 
     def _known_type(self, type_url: str) -> bool:
-        if type_url in PUSH_ORDER:
+        if type_url in SERVED_TYPES:
             return True
         LOG.debug("ignoring request for unserved type %s", type_url,
                   extra=log_extra(self.record, "unknown_type", type_url=type_url))
@@ -168,9 +171,9 @@ class StreamProtocol(ABC, Generic[S]):
         """The responses due now, as (type URL, serialised response): updates in push order,
         else removals in reverse order."""
         out: list[tuple[str, bytes]] = []
-        for type_url in PUSH_ORDER:
+        for type_url in SERVED_TYPES:
             state = self._types.get(type_url)
-            if state is None or state.inflight is not None:
+            if state is None or state.inflight is not None or type_url not in snapshot.by_type:
                 continue
             if type_url in HELD_TYPES and not all(self._settled(t, snapshot) for t in GATING_TYPES):
                 continue
@@ -179,9 +182,9 @@ class StreamProtocol(ABC, Generic[S]):
                 out.append(self._emit(type_url, state, plan, snapshot))
         if out or not all(self._settled(t, snapshot) for t in self._types):
             return out
-        for type_url in reversed(PUSH_ORDER):
+        for type_url in reversed(SERVED_TYPES):
             state = self._types.get(type_url)
-            if state is None:
+            if state is None or type_url not in snapshot.by_type:
                 continue
             plan = self._removal_plan(type_url, state, snapshot)
             if plan is not None:
@@ -189,9 +192,11 @@ class StreamProtocol(ABC, Generic[S]):
         return out
 
     def _settled(self, type_url: str, snapshot: Snapshot) -> bool:
-        """Nothing in flight and nothing new to send (a NACK at this version counts as settled)."""
+        """Nothing in flight and nothing new to send (a NACK at this version counts as settled; so does a type
+        the group's snapshot does not carry: ext_proc's key table, asked for on an Envoy's stream)."""
         state = self._types.get(type_url)
-        return state is None or (state.inflight is None and self._update_plan(type_url, state, snapshot) is None)
+        return state is None or (state.inflight is None and (
+            type_url not in snapshot.by_type or self._update_plan(type_url, state, snapshot) is None))
 
     def _emit(self, type_url: str, state: S, plan: Plan, snapshot: Snapshot) -> tuple[str, bytes]:
         nonce = f"{self.record.stream_id}-{next(self._serial)}"

@@ -33,7 +33,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
-from control_plane.type_urls import CLUSTER, ENDPOINT, PUSH_ORDER
+from control_plane.type_urls import CLUSTER, ENDPOINT, EXTENSION_TYPES, SERVED_TYPES
 
 _TYPE_URL_PREFIX = "type.googleapis.com/"
 _HASH_HEX = 16
@@ -159,24 +159,31 @@ class Snapshot:
 
         E.g. the ext_proc group's snapshot: the Envoys' one with a richer EDS.
         """
-        return self._build({type_url: resources}, self.epoch, self)
+        return self.replace_types({type_url: resources})
+
+    def replace_types(self, resources: Mapping[str, Mapping[str, Message | Encoded]]) -> "Snapshot":
+        """This snapshot with the resources of the given types replaced (or added: ext_proc's key table)."""
+        return self._build(resources, self.epoch, self)
 
     @classmethod
     def _build(cls, resources: Mapping[str, Mapping[str, Message | Encoded]], epoch: str,
                base: "Snapshot | None") -> "Snapshot":
-        unknown = set(resources) - set(PUSH_ORDER)
+        unknown = set(resources) - set(SERVED_TYPES)
         if unknown:
             raise ValueError(f"unsupported type URLs: {sorted(unknown)}")
         by_type: dict[str, Mapping[str, VersionedResource]] = {}
         versions: dict[str, str] = {}
         eds_names: dict[str, str] = {}
-        for type_url in PUSH_ORDER:
-            if base is not None and type_url not in resources:
-                by_type[type_url] = base.resources(type_url)
-                versions[type_url] = base.version(type_url)
-                if type_url == CLUSTER:
-                    eds_names.update(base.eds_names)
-                continue
+        for type_url in SERVED_TYPES:
+            if type_url not in resources:
+                if base is not None and type_url in base.by_type:
+                    by_type[type_url] = base.resources(type_url)
+                    versions[type_url] = base.version(type_url)
+                    if type_url == CLUSTER:
+                        eds_names.update(base.eds_names)
+                    continue
+                if type_url in EXTENSION_TYPES:
+                    continue  # carried only when given: a group whose snapshot lacks it is never sent it
             items: dict[str, VersionedResource] = {}
             for name, resource in resources.get(type_url, {}).items():
                 items[name] = _versioned(type_url, name, resource, epoch)
@@ -200,8 +207,8 @@ class Snapshot:
     def changed_types(self, previous: "Snapshot | None") -> frozenset[str]:
         """The type URLs whose content differs from ``previous`` (all of them if None)."""
         if previous is None:
-            return frozenset(PUSH_ORDER)
-        return frozenset(t for t in PUSH_ORDER if self.version(t) != previous.version(t))
+            return frozenset(self.by_type)
+        return frozenset(t for t in SERVED_TYPES if self.version(t) != previous.version(t))
 
 
 def changed_types(old: Snapshot | None, new: Snapshot) -> frozenset[str]:
