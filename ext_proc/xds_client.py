@@ -1,7 +1,9 @@
 """ext_proc's view of the fleet, kept live over ADS from the control plane.
 
 ext_proc is an xDS client like Envoy: it subscribes to EDS for the ``workers``
-ClusterLoadAssignment and nothing else. The control plane serves ext_proc's
+ClusterLoadAssignment, and to the API key table (``inferlb-api-keys``, a
+``google.protobuf.Struct``: :mod:`ext_proc.tenants`) on the same stream, each
+type with its own version and nonce. The control plane serves ext_proc's
 node cluster (``inferlb-ext-proc``) a rich variant of it: per endpoint,
 ``filter_metadata["inferlb"]`` with ``draining``, ``health`` and the scraped
 telemetry; on the locality, ``{"pick_policy": {"name", "params"}}`` and
@@ -10,8 +12,11 @@ among them is ``FleetView.partition``.
 
 What the per-request path reads is one immutable :class:`FleetView`,
 replaced as a whole on each accepted update (an attribute swap is atomic on
-the event loop): a decision never sees half an update. While the control
-plane is unreachable the last view stays in force; ext_proc keeps routing.
+the event loop): a decision never sees half an update; the same for the
+:class:`~ext_proc.tenants.KeyTable` (``key_table``: None until the first
+arrives; a control plane that does not serve the type never sends one). While
+the control plane is unreachable the last view and table stay in force;
+ext_proc keeps routing.
 
 Protocol choices:
 
@@ -19,8 +24,9 @@ Protocol choices:
   version it holds in ``initial_resource_versions`` and the server resends
   nothing if that is still current. State of the world is there for control
   planes that only speak it.
-* A response that cannot be turned into a view is NACKed with the reason in
-  ``error_detail``, and the previous view is kept (as Envoy does).
+* A response that cannot be turned into a view (or a key table) is NACKed
+  with the reason in ``error_detail``, and the previous one is kept (as Envoy
+  does).
 * Plaintext by default (the control plane on loopback); with ``tls`` the
   channel is mutual TLS: ext_proc presents its certificate and checks the
   control plane's against the given CA and name.
@@ -37,21 +43,23 @@ import random
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
 
 import grpc
 from envoy.config.core.v3 import base_pb2, health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import any_pb2, struct_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import status_pb2
 
+from inferlb_runtime.api_keys import API_KEYS_RESOURCE, KEYS_TYPE_URL, InvalidKeyTable
 from inferlb_runtime.backoff import Backoff
 from inferlb_runtime.tls import PemFiles
 from inferlb_runtime.xds_node import METRICS_PORT_KEY
 
 from .model import EndpointView
+from .tenants import KeyTable, parse_key_table
 
 log = logging.getLogger("inferlb.ext_proc.xds")
 
@@ -63,7 +71,8 @@ _STATE_KEYS = frozenset({"id", "weight", "computed_weight", "pinned_weight", "dr
 _ROUTABLE_STATUSES = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
 # Parse big ClusterLoadAssignments in a thread: the loop keeps answering Envoy meanwhile.
 _PARSE_INLINE_BYTES = 64 * 1024
-_REMOVED = "removed@"  # version prefix of the empty view that a removal leaves
+_REMOVED = "removed@"  # version prefix of the empty view (or key table) that a removal leaves
+_SUBSCRIBED = "ext_proc subscribes to EDS and the API key table only"
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # 10,000 endpoints with telemetry
     ("grpc.keepalive_time_ms", 30_000),
@@ -121,6 +130,8 @@ def _shape(view: FleetView) -> tuple[object, ...]:
 
 
 ViewListener = Callable[[FleetView], None]
+KeyTableListener = Callable[[KeyTable], None]
+T = TypeVar("T")
 
 
 class ViewSource(Protocol):
@@ -134,37 +145,58 @@ class ViewSource(Protocol):
     @property
     def connected(self) -> bool: ...
 
+    @property
+    def key_table(self) -> KeyTable | None:
+        """The API keys, or None until a table has arrived (or if the control plane serves none)."""
+        ...
 
-class _Listeners:
+    def add_key_listener(self, listener: KeyTableListener) -> None: ...
+
+
+class _Listeners(Generic[T]):
     """Listeners called on the loop after each swap; one that raises is logged, never fatal."""
 
-    def __init__(self) -> None:
-        self._listeners: list[ViewListener] = []
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._listeners: list[Callable[[T], None]] = []
         self._first = asyncio.Event()
 
-    def add(self, listener: ViewListener) -> None:
+    def add(self, listener: Callable[[T], None]) -> None:
         self._listeners.append(listener)
 
-    def fire(self, view: FleetView) -> None:
+    def fire(self, value: T) -> None:
         self._first.set()
         for listener in self._listeners:
             try:
-                listener(view)
+                listener(value)
             except Exception:
-                log.exception("view listener failed")
+                log.exception("%s listener failed", self._what)
 
     async def wait_first(self) -> None:
         await self._first.wait()
 
 
 class StaticViewSource:
-    """A view set by hand: for tests, and for running without a control plane."""
+    """A view (and a key table) set by hand: for tests, and for running without a control plane."""
 
-    def __init__(self, view: FleetView | None = None) -> None:
+    def __init__(self, view: FleetView | None = None, key_table: KeyTable | None = None) -> None:
         self._view: FleetView | None = None
-        self._listeners = _Listeners()
+        self._listeners: _Listeners[FleetView] = _Listeners("view")
+        self._key_table = key_table
+        self._key_listeners: _Listeners[KeyTable] = _Listeners("key table")
         if view is not None:
             self.set(view)
+
+    @property
+    def key_table(self) -> KeyTable | None:
+        return self._key_table
+
+    def add_key_listener(self, listener: KeyTableListener) -> None:
+        self._key_listeners.add(listener)
+
+    def set_key_table(self, table: KeyTable) -> None:
+        self._key_table = table
+        self._key_listeners.fire(table)
 
     @property
     def view(self) -> FleetView | None:
@@ -307,10 +339,11 @@ def parse_load_assignment(data: bytes, cluster: str, version: str, node_id: str 
     return FleetView(version, tuple(endpoints), spec, time.monotonic(), partition or (0, 1))
 
 
-async def _parse(data: bytes, cluster: str, version: str, node_id: str) -> FleetView:
+async def _parse(parse: Callable[..., T], data: bytes, *args: str) -> T:
+    """``parse(data, *args)``, in a thread when ``data`` is big (the loop keeps answering Envoy meanwhile)."""
     if len(data) <= _PARSE_INLINE_BYTES:
-        return parse_load_assignment(data, cluster, version, node_id)
-    return await asyncio.to_thread(parse_load_assignment, data, cluster, version, node_id)
+        return parse(data, *args)
+    return await asyncio.to_thread(parse, data, *args)
 
 
 # --- the client ----------------------------------------------------------------------------------
@@ -359,7 +392,8 @@ class XdsClientSettings:
 
 
 class XdsClient:
-    """EDS over ADS, reconnecting for ever; :attr:`view` is the latest accepted view."""
+    """EDS and the API key table over ADS, reconnecting for ever; :attr:`view` and :attr:`key_table` are the
+    latest accepted ones."""
 
     def __init__(self, settings: XdsClientSettings, observer: XdsObserver | None = None,
                  rng: random.Random | None = None) -> None:
@@ -369,8 +403,10 @@ class XdsClient:
         # Attempt 0 (the first reconnect) waits about backoff_initial_s; jittered so replicas do not align.
         self._delay: Callable[[int], float] = lambda attempt: backoff.delay(attempt + 1, rng)
         self._view: FleetView | None = None
+        self._key_table: KeyTable | None = None
         self._connected = False
-        self._listeners = _Listeners()
+        self._listeners: _Listeners[FleetView] = _Listeners("view")
+        self._key_listeners: _Listeners[KeyTable] = _Listeners("key table")
         self._task: asyncio.Task[None] | None = None
         self._channel: grpc.aio.Channel | None = None
         self._got_response = False  # the current stream delivered a response: reset the backoff
@@ -394,6 +430,15 @@ class XdsClient:
 
     def add_listener(self, listener: ViewListener) -> None:
         self._listeners.add(listener)
+
+    @property
+    def key_table(self) -> KeyTable | None:
+        """The latest accepted API key table; None until the first (never, from a control plane without one)."""
+        return self._key_table
+
+    def add_key_listener(self, listener: KeyTableListener) -> None:
+        """Call ``listener(table)`` on the loop after each accepted table."""
+        self._key_listeners.add(listener)
 
     async def wait_ready(self, timeout: float | None = None) -> FleetView:
         """The first view (raises TimeoutError after ``timeout``)."""
@@ -486,12 +531,22 @@ class XdsClient:
         })
         self._listeners.fire(view)
 
-    def _reject(self, version: str, error: str) -> None:
+    def _accept_keys(self, table: KeyTable) -> None:
+        previous = self._key_table
+        self._key_table = table
+        self.accepted += 1
+        self._observer.xds_update(True)
+        log.info("api key table update", extra={"version": table.version, "keys": len(table),
+                                                "previous_version": previous.version if previous else None})
+        self._key_listeners.fire(table)
+
+    def _reject(self, version: str, error: str, type_url: str = ENDPOINT_TYPE) -> None:
         self.rejected += 1
         self.last_error = error
         self._observer.xds_update(False)
-        log.warning("eds update rejected", extra={"version": version, "error": error,
-                                                  "kept_version": self._view.version if self._view else None})
+        kept = self._view if type_url == ENDPOINT_TYPE else self._key_table
+        log.warning("eds update rejected" if type_url == ENDPOINT_TYPE else "api key table update rejected",
+                    extra={"version": version, "error": error, "kept_version": kept.version if kept else None})
 
     @staticmethod
     def _error(message: str) -> status_pb2.Status:
@@ -505,10 +560,14 @@ class XdsClient:
         try:
             first = discovery_pb2.DeltaDiscoveryRequest(node=self._node, type_url=ENDPOINT_TYPE,
                                                         resource_names_subscribe=[cluster])
-            if self._view is not None and self._view.version and not self._view.version.startswith(_REMOVED):
-                # Resume: the server resends nothing if this is still current.
-                first.initial_resource_versions[cluster] = self._view.version
+            keys = discovery_pb2.DeltaDiscoveryRequest(type_url=KEYS_TYPE_URL,
+                                                       resource_names_subscribe=[API_KEYS_RESOURCE])
+            # Resume: the server resends nothing that is still current.
+            for request, name, held in ((first, cluster, self._view), (keys, API_KEYS_RESOURCE, self._key_table)):
+                if held is not None and held.version and not held.version.startswith(_REMOVED):
+                    request.initial_resource_versions[name] = held.version
             await call.write(first)
+            await call.write(keys)
             await call.wait_for_connection()
             self._on_connected("delta")
             while True:
@@ -526,14 +585,17 @@ class XdsClient:
 
     async def _apply_delta(self, response: discovery_pb2.DeltaDiscoveryResponse) -> str | None:
         """Apply a Delta response; the NACK reason, or None to ACK."""
+        if response.type_url == KEYS_TYPE_URL:
+            return await self._apply_delta_keys(response)
         cluster = self.settings.cluster
         if response.type_url != ENDPOINT_TYPE:
-            return f"unexpected type {response.type_url}: ext_proc subscribes to EDS only"
+            return f"unexpected type {response.type_url}: {_SUBSCRIBED}"
         for resource in response.resources:
             if resource.name != cluster:
                 continue  # not ours (nothing to apply; the spec lets us ignore it)
             try:
-                view = await _parse(resource.resource.value, cluster, resource.version, self.settings.node_id)
+                view = await _parse(parse_load_assignment, resource.resource.value, cluster, resource.version,
+                                    self.settings.node_id)
             except InvalidResource as exc:
                 self._reject(resource.version, str(exc))
                 return str(exc)
@@ -544,16 +606,46 @@ class XdsClient:
                                       self._view.pick_policy if self._view else None, time.monotonic()))
         return None
 
+    async def _apply_delta_keys(self, response: discovery_pb2.DeltaDiscoveryResponse) -> str | None:
+        for resource in response.resources:
+            if resource.name != API_KEYS_RESOURCE:
+                continue
+            error = await self._apply_keys(resource.resource, resource.version)
+            if error is not None:
+                return error
+        if API_KEYS_RESOURCE in response.removed_resources:
+            # The control plane has no table: no key is valid (rather than keys it may have revoked).
+            self._accept_keys(KeyTable.empty(f"{_REMOVED}{response.system_version_info}"))
+        return None
+
+    async def _apply_keys(self, resource: any_pb2.Any, version: str) -> str | None:
+        """Accept one key table; the NACK reason if it is unusable (the previous table stays)."""
+        try:
+            if resource.type_url != KEYS_TYPE_URL:
+                raise InvalidKeyTable(f"the api key table is a {resource.type_url}, not a {KEYS_TYPE_URL}")
+            table = await _parse(parse_key_table, resource.value, version)
+        except InvalidKeyTable as exc:
+            self._reject(version, str(exc), KEYS_TYPE_URL)
+            return str(exc)
+        self._accept_keys(table)
+        return None
+
     async def _sotw_stream(self) -> None:
         """One state-of-the-world stream, until it ends."""
         assert self._channel is not None
         cluster = self.settings.cluster
         call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(self._channel).StreamAggregatedResources()
-        accepted_version = self._view.version if self._view is not None else ""
+        names = {ENDPOINT_TYPE: [cluster], KEYS_TYPE_URL: [API_KEYS_RESOURCE]}
+        held = {ENDPOINT_TYPE: self._view, KEYS_TYPE_URL: self._key_table}
+        accepted = {t: h.version if h is not None and not h.version.startswith(_REMOVED) else ""
+                    for t, h in held.items()}  # per type: what we ACK with
         try:
             await call.write(discovery_pb2.DiscoveryRequest(node=self._node, type_url=ENDPOINT_TYPE,
-                                                            resource_names=[cluster],
-                                                            version_info=accepted_version))
+                                                            resource_names=names[ENDPOINT_TYPE],
+                                                            version_info=accepted[ENDPOINT_TYPE]))
+            await call.write(discovery_pb2.DiscoveryRequest(type_url=KEYS_TYPE_URL,
+                                                            resource_names=names[KEYS_TYPE_URL],
+                                                            version_info=accepted[KEYS_TYPE_URL]))
             await call.wait_for_connection()
             self._on_connected("sotw")
             while True:
@@ -562,27 +654,35 @@ class XdsClient:
                     return
                 self._got_response = True
                 error = await self._apply_sotw(response)
-                request = discovery_pb2.DiscoveryRequest(type_url=response.type_url, resource_names=[cluster],
+                type_url = response.type_url
+                request = discovery_pb2.DiscoveryRequest(type_url=type_url, resource_names=names.get(type_url, []),
                                                          response_nonce=response.nonce)
-                if error is None:
-                    accepted_version = response.version_info
-                else:
+                if error is None and type_url in accepted:
+                    accepted[type_url] = response.version_info
+                elif error is not None:
                     request.error_detail.CopyFrom(self._error(error))
-                request.version_info = accepted_version
+                request.version_info = accepted.get(type_url, "")
                 await call.write(request)
         finally:
             call.cancel()
 
     async def _apply_sotw(self, response: discovery_pb2.DiscoveryResponse) -> str | None:
+        if response.type_url == KEYS_TYPE_URL:
+            if len(response.resources) > 1:  # a Struct has no name: one subscribed name, at most one resource
+                return f"an api key table response carries {len(response.resources)} resources, expected one"
+            for table in response.resources:
+                return await self._apply_keys(table, response.version_info)
+            return None
         cluster = self.settings.cluster
         if response.type_url != ENDPOINT_TYPE:
-            return f"unexpected type {response.type_url}: ext_proc subscribes to EDS only"
+            return f"unexpected type {response.type_url}: {_SUBSCRIBED}"
         mine = [r for r in response.resources if r.type_url == ENDPOINT_TYPE]
         if len(mine) != len(response.resources):
             return "a resource in an EDS response is not a ClusterLoadAssignment"
         for resource in mine:
             try:
-                view = await _parse(resource.value, cluster, response.version_info, self.settings.node_id)
+                view = await _parse(parse_load_assignment, resource.value, cluster, response.version_info,
+                                    self.settings.node_id)
             except ForeignResource:
                 continue  # someone else's assignment: not an error for us
             except InvalidResource as exc:
