@@ -2,8 +2,9 @@
 
 The key is in the 201 answer only; listings show its hint, never the key nor its
 hash; every route needs the admin token, reads included; bad input is a 422
-naming the field; keys and revocations survive a restart (SQLite) and live in
-PostgreSQL as in SQLite. What ext_proc receives is tests/test_api_keys_xds.py.
+naming the field; keys and revocations survive a restart (SQLite), live in
+PostgreSQL as in SQLite, and reach the other replicas sharing it (its change
+feed). What ext_proc receives is tests/test_api_keys_xds.py.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import pytest
 
 from control_plane.store import Store, StoredApiKey, open_store
 from control_plane.store.base import OperatorStore
-from inferlb_runtime.api_keys import KEY_PREFIX, Quota, hash_key, new_key
+from control_plane.type_urls import KEYS
+from inferlb_runtime.api_keys import API_KEYS_RESOURCE, KEY_PREFIX, Quota, hash_key, new_key
 from inferlb_runtime.request_class import Priority
 
 from .stack import ControlPlane, running_control_plane
 from .test_admin_api import Admin, assert_error
+from .test_store_postgres import Replica, wait_async
 
 pytestmark = pytest.mark.slow
 
@@ -210,3 +213,28 @@ def test_postgres_store_keeps_keys(postgres_url: str) -> None:
                                                                           ("key_2", None)]
     finally:
         reopened.close()
+
+
+def test_a_key_created_or_revoked_on_one_replica_reaches_the_other(postgres_url: str) -> None:
+    async def scenario() -> None:
+        async with Replica(postgres_url, []) as a, Replica(postgres_url, []) as b, a.client() as ca, \
+                b.client() as cb:
+            response = await ca.post("/v1/api-keys", json={"tenant": "shared", "requests_per_minute": 60})
+            assert response.status_code == 201, response.text
+            created = response.json()
+            digest = hash_key(created["key"])
+            await wait_async(lambda: [e.hash for e in b.controller.api_keys] == [digest], 10,
+                             "the key in replica b's table")
+            assert b.controller.api_keys[0].quota == Quota(None, 60, None)
+            group = b.controller.state.settings.ext_proc_node_cluster
+            snapshot = b.controller.cache.get(group)
+            assert snapshot is not None and digest.encode() in snapshot.resources(KEYS)[API_KEYS_RESOURCE].any.value
+            assert (await cb.get(f"/v1/api-keys/{created['id']}")).json()["tenant"] == "shared"
+
+            revoked = await cb.delete(f"/v1/api-keys/{created['id']}")
+            assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+            await wait_async(lambda: a.controller.api_keys == (), 10, "the revocation on replica a")
+            assert (await ca.get(f"/v1/api-keys/{created['id']}")).json()["revoked_at"] == \
+                revoked.json()["revoked_at"]
+
+    asyncio.run(scenario())
