@@ -210,6 +210,11 @@ def api_key_out(key: StoredApiKey) -> ApiKeyOut:
                      created_at=key.created_at, revoked_at=key.revoked_at)
 
 
+def _now_us() -> float:
+    """Unix time to the microsecond: what PostgreSQL's timestamptz keeps, so a reload reads back the same."""
+    return round(time.time(), 6)
+
+
 def _replace_endpoint(endpoint_id: str, **changes: Any) -> Callable[[FleetState], FleetState]:
     def change(state: FleetState) -> FleetState:
         return dataclasses.replace(state, endpoints=tuple(
@@ -469,7 +474,7 @@ class AdminService:
             key_hint=key[len(KEY_PREFIX):][:KEY_HINT_LENGTH], name=body.name, priority=PRIORITIES[body.priority],
             weight=body.weight, quota=Quota(body.tokens_per_minute, body.requests_per_minute,
                                             body.max_tokens_in_flight),
-            created_at=time.time())
+            created_at=_now_us())
         async with self._lock:
             await self._commit(lambda s: s.add_api_key(record))
             self._api_keys[record.id] = record
@@ -482,7 +487,7 @@ class AdminService:
         async with self._lock:
             record = self._find_key(key_id)
             if record.live:
-                at = time.time()
+                at = _now_us()
                 stored = await self._commit(lambda s: s.revoke_api_key(key_id, at))
                 record = stored if stored is not None else dataclasses.replace(record, revoked_at=at)
                 self._api_keys[key_id] = record
