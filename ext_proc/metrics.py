@@ -125,13 +125,21 @@ _HOT_COUNTERS = {
     "released": (f"{PREFIX}released",
                  "Outstanding entries released: at the response, early (the stream was cancelled or closed "
                  "first: client gone, upstream reset) or on an error.", "how", ("response", "early", "error")),
-    "admit_replies": (f"{PREFIX}admit_replies", "Requests an admit plugin answered itself (shed, served from a "
-                      "cache), by the reply's code (overloaded: a sheddable request shed).", "code",
-                      ("overloaded",)),
+    "admit_replies": (f"{PREFIX}admit_replies", "Requests ext_proc answered itself instead of routing them, by the "
+                      "reply's code: overloaded (an admit plugin shed a sheddable request), rate_limit_exceeded "
+                      "(over the tenant's quota), quota_unavailable (the quota store unreachable, failing "
+                      "closed), or an admit plugin's own code.", "code",
+                      ("overloaded", "rate_limit_exceeded", "quota_unavailable")),
+    "auth_failures": (f"{PREFIX}auth_failures", "Requests refused for their API key (401, or 503 for no_key_table: "
+                      "keys required and no key table received yet), by reason.", "reason",
+                      ("missing_key", "invalid_key", "no_key_table")),
     "deadlines": (f"{PREFIX}deadline_predictions", "Requests with a deadline, by whether their pick's predicted "
                   "completion meets it (missed: no candidate could).", "predicted", ("met", "missed")),
 }
 MAX_LABELS = 32  # distinct values per hot counter; later ones count as "other" (a plugin names admit codes)
+MAX_TENANTS = 1000  # tenants with series of their own; later ones count as "other"
+# What became of a tenant's request (label ``outcome`` of the usage counters).
+TENANT_OUTCOMES = ("served", "failed", "rate_limited", "shed", "unauthenticated")
 _DECISION_HELP = ("From the message that completes a request (body or headers) to the answer: token counting, "
                   "prediction and picking.")
 
@@ -160,6 +168,19 @@ class _HotCollector(Collector):
             for value_label, value in sorted(m.counts[attr].items()):
                 family.add_metric([value_label], value)
             yield family
+        requests = CounterMetricFamily(f"{PREFIX}tenant_requests", _TENANT_HELP.format("Requests"),
+                                       labels=["tenant", "outcome"])
+        tokens = CounterMetricFamily(f"{PREFIX}tenant_tokens", _TENANT_HELP.format("Tokens (ext_proc's exact count "
+                                     "before routing) of requests"), labels=["tenant", "outcome"])
+        for (tenant, outcome), (n, t) in sorted(m.tenant_counts.items()):
+            requests.add_metric([tenant, outcome], n)
+            tokens.add_metric([tenant, outcome], t)
+        yield requests
+        yield tokens
+
+
+_TENANT_HELP = ("{} by the API key's tenant (anonymous: no key) and outcome: served (a 2xx answer), failed (an "
+                "error answer, or the stream ended first), rate_limited, shed, unauthenticated.")
 
 
 class ExtProcMetrics:
@@ -179,6 +200,9 @@ class ExtProcMetrics:
         self._decision_sum = 0.0
         self.counts: dict[str, dict[str, int]] = {
             attr: dict.fromkeys(zero, 0) for attr, (_, _, _, zero) in _HOT_COUNTERS.items()}
+        # Usage by (tenant, outcome): [requests, tokens].
+        self.tenant_counts: dict[tuple[str, str], list[int]] = {}
+        self._tenants: set[str] = set()
         r.register(_HotCollector(self))
         # Rare events: prometheus_client counters.
         self.xds_updates = Counter(f"{PREFIX}xds_updates", "EDS responses, by result.", ["result"], registry=r)
@@ -211,6 +235,19 @@ class ExtProcMetrics:
         if label not in counts and len(counts) >= MAX_LABELS:
             label = "other"
         counts[label] = counts.get(label, 0) + 1
+
+    def tenant_usage(self, tenant: str, outcome: str, tokens: int) -> None:
+        """One finished request of ``tenant`` (billing and fairness figures)."""
+        if tenant not in self._tenants:
+            if len(self._tenants) >= MAX_TENANTS:
+                tenant = "other"
+            self._tenants.add(tenant)
+        counts = self.tenant_counts.get((tenant, outcome))
+        if counts is None:
+            self.tenant_counts[(tenant, outcome)] = [1, tokens]
+        else:
+            counts[0] += 1
+            counts[1] += tokens
 
     # XdsObserver
     def xds_connected(self, connected: bool) -> None:

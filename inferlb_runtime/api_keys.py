@@ -127,7 +127,7 @@ def _entry(i: int, item: Mapping[str, Any]) -> KeyEntry:
         raise InvalidKeyTable(f"{where}.hash must be 64 lower-case hex digits")
     if not isinstance(key_id, str) or not key_id:
         raise InvalidKeyTable(f"{where}.id must be a non-empty string")
-    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
         raise InvalidKeyTable(f"{where}.tenant {tenant!r} does not match {TENANT_PATTERN.pattern}")
     priority = PRIORITIES.get(str(item.get("priority", "standard")))
     if priority is None:
