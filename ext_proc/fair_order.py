@@ -1,0 +1,322 @@
+"""The order in which requests waiting at admission are let through: priority bands, then fair shares.
+
+When the fleet is saturated, ext_proc holds requests before routing them
+(``fair_queue.py``, the asyncio gate) and releases them as capacity frees,
+in this order. It is pure: the caller passes the clock (``now``, any
+monotonic seconds, and each entry's arrival time), and it imports nothing
+but the standard library, so a simulation on a virtual clock can use it as
+it is.
+
+The rule:
+
+1. **The band**: critical (0), standard (1), sheddable (2)
+   (``inferlb_runtime.request_class.Priority``), strictly, except that a
+   band climbs one rank per ``aging_s`` its longest-waiting entry has
+   waited, never past critical; ties go to the band whose longest-waiting
+   entry arrived first. This is the workers' rule (``workers/queue_order.py``)
+   so a class means the same at admission and in a worker's queue. The
+   Gateway API Inference Extension's flow control serves bands strictly;
+   aging is kept here because a band of critical load that saturates the
+   fleet would otherwise hold every standard request until its maximum wait
+   and turn it into a 429. ``aging_s=None`` serves the bands strictly.
+2. **The tenant**, within the band: weighted fair queuing by virtual finish
+   time, self-clocked (SCFQ, Golestani 1994). Each tenant with waiting work
+   is a flow; only its head carries a tag, ``finish = start + cost / weight``,
+   where ``start`` is the finish tag of the tenant's previous request
+   released while it stayed backlogged, or the band's virtual time (the
+   finish tag of the last entry released) when the tenant was idle. The
+   head with the smallest finish tag goes first; the head that arrived
+   first breaks a tie. So two backlogged tenants are served costs in the
+   ratio of their weights, to within one request's cost of each; a tenant
+   that was idle banks no credit (it starts at the current virtual time);
+   and a tenant with 1,000 requests queued delays a newcomer by at most its
+   weight's worth of requests per round, because only its head competes.
+3. **Arrival order** within a tenant (FIFO).
+
+Tags are given lazily, to heads only: a request that leaves from the middle
+(its client left, its wait ran out) leaves no hole in its tenant's tags,
+and a head that leaves hands its start tag to the next one. A tenant with
+nothing queued keeps no state: its last finish tag can never exceed the
+virtual time once it is released, so nothing is lost.
+
+The unit of ``cost`` is the caller's: every entry of one queue must use the
+same one (tokens, or predicted service seconds). ``weight`` is any positive
+number; a tenant's weight is read from each entry, so a changed weight
+applies from its next request.
+
+Bounded: at most ``max_queued`` entries in all and ``max_per_tenant`` per
+tenant (all bands); ``push`` refuses beyond them. When the whole queue is
+full, ``make_room`` evicts the newest entry of the tenant holding the most
+(longest queue drop), so a tenant below the others can still queue: a
+tenant within its quota cannot fill the shared queue and crowd the rest out.
+
+Not thread-safe: one asyncio loop (or one simulation) owns an instance.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, TypeVar
+
+AGING_S = 2.0  # as the workers' queue_order.AGING_S: a waiting band climbs one class per 2 s
+BANDS = 3  # critical, standard, sheddable
+_COMPACT_SLACK = 64  # a heap is rebuilt when its stale items outnumber its live ones by more than this
+
+T = TypeVar("T")
+
+
+class Refusal(str, Enum):
+    """Why an entry is not (or no longer) queued; the values are metric labels."""
+
+    TENANT_FULL = "tenant_full"  # its tenant already has max_per_tenant queued
+    QUEUE_FULL = "queue_full"  # max_queued are queued in all
+    DISPLACED = "displaced"  # evicted by make_room: its tenant held the most of a full queue
+
+
+@dataclass(eq=False, slots=True)
+class Entry(Generic[T]):
+    """One waiting request. Identity is the object (two equal requests are two entries)."""
+
+    tenant: str
+    weight: float  # the tenant's share: > 0
+    priority: int  # 0 critical, 1 standard, 2 sheddable
+    cost: float  # > 0, in the queue's unit
+    arrived: float  # the caller's clock
+    max_wait_s: float  # > 0 (math.inf: no limit)
+    payload: T  # what the caller needs back (the gate's future)
+    seq: int = 0  # arrival number, set by push
+    finish: float = 0.0  # the virtual finish tag, set when it becomes its tenant's head
+    queued: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.arrived + self.max_wait_s
+
+
+class _Flow:
+    """One tenant's waiting entries in one band; ``start`` is its head's virtual start tag."""
+
+    __slots__ = ("entries", "start")
+
+    def __init__(self, start: float) -> None:
+        self.entries: deque[Entry] = deque()
+        self.start = start
+
+
+class _Band:
+    """One priority band: its tenants' flows, their heads by finish tag, and its entries by arrival."""
+
+    __slots__ = ("flows", "heads", "arrivals", "vtime")
+
+    def __init__(self) -> None:
+        self.flows: dict[str, _Flow] = {}
+        # (finish tag, head's seq, flow); an item whose seq is no longer its flow's head is stale
+        self.heads: list[tuple[float, int, _Flow]] = []
+        self.arrivals: OrderedDict[Entry, None] = OrderedDict()  # the first is the longest-waiting
+        self.vtime = 0.0
+
+
+class _TenantCounts:
+    """Queued entries per tenant, and a tenant holding the most, each in O(1)."""
+
+    __slots__ = ("count", "_holding", "most")
+
+    def __init__(self) -> None:
+        self.count: dict[str, int] = {}
+        self._holding: dict[int, dict[str, None]] = {}  # n -> the tenants with n queued (ordered)
+        self.most = 0
+
+    def add(self, tenant: str) -> None:
+        n = self.count.get(tenant, 0)
+        if n:
+            self._unhold(tenant, n)
+        n += 1
+        self.count[tenant] = n
+        self._holding.setdefault(n, {})[tenant] = None
+        if n > self.most:
+            self.most = n
+
+    def sub(self, tenant: str) -> None:
+        n = self.count[tenant]
+        self._unhold(tenant, n)
+        n -= 1
+        if n:
+            self.count[tenant] = n
+            self._holding.setdefault(n, {})[tenant] = None
+        else:
+            del self.count[tenant]
+        while self.most and self.most not in self._holding:  # at most one step: the tenant is at n - 1
+            self.most -= 1
+
+    def largest(self) -> str | None:
+        return next(iter(self._holding[self.most])) if self.most else None
+
+    def _unhold(self, tenant: str, n: int) -> None:
+        holding = self._holding[n]
+        del holding[tenant]
+        if not holding:
+            del self._holding[n]
+
+
+class FairOrder(Generic[T]):
+    """The admission queue's order (see the module docstring). ``aging_s=None``: strict bands."""
+
+    __slots__ = ("max_queued", "max_per_tenant", "aging_s", "_bands", "_counts", "_deadlines", "_seq", "_size")
+
+    def __init__(self, max_queued: int = 10_000, max_per_tenant: int = 1_000,
+                 aging_s: float | None = AGING_S) -> None:
+        if max_queued < 1 or max_per_tenant < 1:
+            raise ValueError(f"max_queued and max_per_tenant must be >= 1, got {max_queued}, {max_per_tenant}")
+        if aging_s is not None and not aging_s > 0:
+            raise ValueError(f"aging_s must be > 0 or None, got {aging_s}")
+        self.max_queued = max_queued
+        self.max_per_tenant = max_per_tenant
+        self.aging_s = aging_s
+        self._bands = tuple(_Band() for _ in range(BANDS))
+        self._counts = _TenantCounts()
+        self._deadlines: list[tuple[float, int, Entry[T]]] = []  # (deadline, seq, entry); left ones are stale
+        self._seq = 0
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def queued(self, tenant: str) -> int:
+        """How many entries ``tenant`` has queued (all bands)."""
+        return self._counts.count.get(tenant, 0)
+
+    def push(self, entry: Entry[T]) -> Refusal | None:
+        """Queue ``entry``; None when queued, else why not (it is then left unqueued).
+
+        ``ValueError`` for a weight, cost, priority or maximum wait that means nothing: those come from
+        the caller's configuration and code, never from a client, so they are a bug to surface."""
+        if entry.queued:
+            raise ValueError("push() of an entry that is already queued")
+        _check(entry)
+        if self._counts.count.get(entry.tenant, 0) >= self.max_per_tenant:
+            return Refusal.TENANT_FULL
+        if self._size >= self.max_queued:
+            return Refusal.QUEUE_FULL
+        self._seq += 1
+        entry.seq = self._seq
+        entry.queued = True
+        band = self._bands[entry.priority]
+        flow = band.flows.get(entry.tenant)
+        if flow is None:  # idle until now: no credit banked, it starts at the band's virtual time
+            flow = band.flows[entry.tenant] = _Flow(band.vtime)
+            flow.entries.append(entry)
+            self._tag_head(band, flow)
+        else:
+            flow.entries.append(entry)
+        band.arrivals[entry] = None
+        self._counts.add(entry.tenant)
+        self._size += 1
+        heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
+        return None
+
+    def pop(self, now: float) -> Entry[T] | None:
+        """The next entry to let through, removed; None when nothing waits."""
+        band = self._next_band(now)
+        if band is None:
+            return None
+        heads = band.heads
+        while True:
+            finish, seq, flow = heapq.heappop(heads)
+            if flow.entries and flow.entries[0].seq == seq:
+                break  # else stale: its head left (removed or expired) and the flow was re-tagged
+        entry = flow.entries.popleft()
+        band.vtime = finish
+        if flow.entries:
+            flow.start = finish  # still backlogged: its next request starts where this one finished
+            self._tag_head(band, flow)
+        else:
+            del band.flows[entry.tenant]
+        self._forget(band, entry)
+        return entry
+
+    def remove(self, entry: Entry[T]) -> bool:
+        """Take ``entry`` out (its client left); False when it was not queued. O(its tenant's queue)."""
+        if not entry.queued:
+            return False
+        band = self._bands[entry.priority]
+        flow = band.flows[entry.tenant]
+        was_head = flow.entries[0] is entry
+        flow.entries.remove(entry)  # identity: Entry compares by object
+        if not flow.entries:
+            del band.flows[entry.tenant]
+        elif was_head:  # the next one inherits the start tag: the one that left was never served
+            self._tag_head(band, flow)
+        self._forget(band, entry)
+        return True
+
+    def expire(self, now: float) -> list[Entry[T]]:
+        """Every queued entry whose maximum wait has run out by ``now``, removed, oldest deadline first."""
+        expired: list[Entry[T]] = []
+        while self._deadlines and self._deadlines[0][0] <= now:  # remove() may compact: read it anew
+            entry = heapq.heappop(self._deadlines)[2]
+            if self.remove(entry):
+                expired.append(entry)
+        return expired
+
+    def make_room(self, tenant: str) -> Entry[T] | None:
+        """When the queue is full: evict and return the newest entry (of its worst band) of the tenant
+        holding the most entries, if it holds more than ``tenant`` would after one more push; else None."""
+        largest = self._counts.largest()
+        if largest is None or self._counts.count[largest] <= self.queued(tenant) + 1:
+            return None
+        for band in reversed(self._bands):
+            flow = band.flows.get(largest)
+            if flow is not None:
+                victim = flow.entries[-1]
+                self.remove(victim)
+                return victim
+        raise AssertionError(f"tenant {largest!r} is counted but has no flow")  # pragma: no cover
+
+    # -- internals ---------------------------------------------------------------------------------------
+
+    def _next_band(self, now: float) -> _Band | None:
+        best: _Band | None = None
+        best_key: tuple[int, int] = (BANDS, 0)
+        for priority, band in enumerate(self._bands):
+            if band.arrivals:
+                oldest = next(iter(band.arrivals))
+                rank = priority
+                if self.aging_s is not None:
+                    rank = max(0, priority - int(max(0.0, now - oldest.arrived) / self.aging_s))
+                key = (rank, oldest.seq)
+                if best is None or key < best_key:
+                    best, best_key = band, key
+        return best
+
+    def _tag_head(self, band: _Band, flow: _Flow) -> None:
+        head = flow.entries[0]
+        head.finish = flow.start + head.cost / head.weight
+        heapq.heappush(band.heads, (head.finish, head.seq, flow))
+        if len(band.heads) > 2 * len(band.flows) + _COMPACT_SLACK:  # many heads left: drop the stale items
+            band.heads = [(f.entries[0].finish, f.entries[0].seq, f) for f in band.flows.values()]
+            heapq.heapify(band.heads)
+
+    def _forget(self, band: _Band, entry: Entry[T]) -> None:
+        """The bookkeeping shared by every way out of the queue."""
+        entry.queued = False
+        del band.arrivals[entry]
+        self._counts.sub(entry.tenant)
+        self._size -= 1
+        if len(self._deadlines) > 2 * self._size + _COMPACT_SLACK:  # entries that left before their deadline
+            self._deadlines = [item for item in self._deadlines if item[2].queued]
+            heapq.heapify(self._deadlines)
+
+
+def _check(entry: Entry) -> None:
+    if not (math.isfinite(entry.weight) and entry.weight > 0):
+        raise ValueError(f"weight must be a positive number, got {entry.weight!r}")
+    if not (math.isfinite(entry.cost) and entry.cost > 0):
+        raise ValueError(f"cost must be a positive number, got {entry.cost!r}")
+    if not 0 <= entry.priority < BANDS:
+        raise ValueError(f"priority must be 0..{BANDS - 1}, got {entry.priority!r}")
+    if not entry.max_wait_s > 0:  # also rejects NaN; math.inf is no limit
+        raise ValueError(f"max_wait_s must be > 0, got {entry.max_wait_s!r}")
