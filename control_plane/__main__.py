@@ -38,6 +38,7 @@ from .scraper import Scraper, ScraperConfig
 from .serving import TlsConfigError, admin_tls_arguments, warn_plaintext, xds_server_settings
 from .store import OperatorState, OperatorStore, StoreError, live_key_entries, open_store, restore
 from .store.follow import follow
+from .usage.ingest import UsageIngest
 from .xds import SnapshotCache, serve_xds, stop_xds
 
 log = logging.getLogger("inferlb.control_plane")
@@ -116,12 +117,18 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
         host=config.admin_address, port=config.admin_port,
         log_config=None, access_log=False, lifespan="off", **admin_tls,
     ))
+    # Usage for billing: the replica watch's reads of each ext_proc, written to the store (usage/).
+    usage = None if store is None else UsageIngest(store, config.usage_retention_days)
     loops = [  # cancelled at stop
         asyncio.create_task(scraper.run(lambda: controller.state.endpoints, controller.on_scrape_results),
                             name="scraper"),
         asyncio.create_task(Supervised("replica-watch", observer=metrics, logger=log).run(
-            lambda: watch_replicas(controller, scraper.config)), name="replica-watch"),
+            lambda: watch_replicas(controller, scraper.config, None if usage is None else usage.offer)),
+            name="replica-watch"),
     ]
+    if usage is not None:
+        loops.append(asyncio.create_task(Supervised("usage-ingest", observer=metrics, logger=log).run(usage.run),
+                                         name="usage-ingest"))
     tasks = [*loops, asyncio.create_task(admin.serve(), name="admin-http")]
     discovery = start_discovery(config, controller, metrics, stored.overrides)
     autoscaler = Autoscaler(config.autoscale.settings())  # computed when /metrics is scraped

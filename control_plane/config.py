@@ -202,6 +202,8 @@ class ControlPlaneConfig(BaseSettings):
     store: str | None = Field(None, validation_alias=AliasChoices("INFERLB_STORE", "INFERLB_CP_STORE"))
     # With a shared store: the safety-net full reload of the operator state, besides LISTEN/NOTIFY.
     store_reload_interval_s: float = Field(30.0, gt=0)
+    # Usage for billing (GET /v1/usage): per-minute buckets older than this are deleted.
+    usage_retention_days: int = Field(90, ge=1, le=3650)
 
     @field_validator("xds_allowed_node_clusters")
     @classmethod

@@ -13,23 +13,27 @@ every connected replica stays listed. A replica left out picks from the
 whole fleet if traffic reaches it, and is listed again from the next look.
 
 The decision is pure (:class:`ReplicaActivity`); the reading is the I/O edge
-(:func:`read_decision_counts`, bounded like worker scrapes).
+(:func:`read_replicas`, bounded like worker scrapes). The same body, parsed
+once, carries the replica's usage counters by tenant: the watch hands them
+to the usage writer (``usage.ingest``), so billing costs no second scrape.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import httpx
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb_runtime.hostport import authority
 
 from .scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
+from .usage.readings import ReplicaUsage, replica_usage
 
 log = logging.getLogger("inferlb.control_plane.replicas")
 
@@ -57,29 +61,43 @@ class ReplicaActivity:
         return self.active
 
 
-def decision_count(text: str) -> float | None:
+@dataclass(frozen=True)
+class ReplicaReading:
+    """What one look at a replica's /metrics gives: its decision count and its usage (None: not reported)."""
+
+    decisions: float | None
+    usage: ReplicaUsage | None
+
+
+def decision_count(families: Iterable[Metric]) -> float | None:
     """The decisions a replica's exposition reports; None when it reports none (not an ext_proc)."""
-    for family in text_string_to_metric_families(text):
+    for family in families:
         if family.name == DECISIONS:
             counts = [s.value for s in family.samples if s.name == f"{DECISIONS}_count"]
             return sum(counts) if counts else None
     return None
 
 
-async def read_decision_counts(client: httpx.AsyncClient, targets: Mapping[str, tuple[str, int]],
-                               config: ScraperConfig) -> dict[str, float | None]:
-    """Every target's decision count, concurrently, each within the scrape deadline and body cap."""
-    async def one(target: tuple[str, int]) -> float | None:
+def read_exposition(text: str) -> ReplicaReading:
+    """Parse once (prometheus_client's parser; ValueError on a malformed body), read both."""
+    families = list(text_string_to_metric_families(text))
+    return ReplicaReading(decision_count(families), replica_usage(families))
+
+
+async def read_replicas(client: httpx.AsyncClient, targets: Mapping[str, tuple[str, int]],
+                        config: ScraperConfig) -> dict[str, ReplicaReading | None]:
+    """Every target's reading (None: unreadable), concurrently, each within the scrape deadline and body cap."""
+    async def one(target: tuple[str, int]) -> ReplicaReading | None:
         try:
             text = await fetch_metrics(client, MetricsTarget(*target), config)
-            return await asyncio.to_thread(decision_count, text)
+            return await asyncio.to_thread(read_exposition, text)
         except (ScrapeError, ValueError) as exc:
             log.debug("ext_proc replica metrics unreadable", extra={"target": target, "error": str(exc)})
             return None
 
     nodes = list(targets)
-    counts = await asyncio.gather(*(one(targets[node]) for node in nodes))
-    return dict(zip(nodes, counts))
+    readings = await asyncio.gather(*(one(targets[node]) for node in nodes))
+    return dict(zip(nodes, readings))
 
 
 class ReplicaSink(Protocol):
@@ -90,14 +108,19 @@ class ReplicaSink(Protocol):
     def set_active_replicas(self, active: frozenset[str]) -> None: ...
 
 
-async def watch_replicas(sink: ReplicaSink, config: ScraperConfig) -> None:
-    """Every ``interval_s``: read the replicas' decision counts and hand the active set over (until cancelled)."""
+async def watch_replicas(sink: ReplicaSink, config: ScraperConfig,
+                         usage: Callable[[Mapping[str, ReplicaUsage]], None] | None = None) -> None:
+    """Every ``interval_s``: read the replicas' decision counts and hand the active set over, and their usage
+    to ``usage`` (node id -> usage, the replicas that reported one) (until cancelled)."""
     activity = ReplicaActivity()
     unreadable: frozenset[str] = frozenset()
     async with Scraper(config).make_client() as client:
         while True:
             targets = sink.ext_proc_targets()
-            counts = await read_decision_counts(client, targets, config) if targets else {}
+            readings = await read_replicas(client, targets, config) if targets else {}
+            counts = {node: None if r is None else r.decisions for node, r in readings.items()}
+            if usage is not None:
+                usage({node: r.usage for node, r in readings.items() if r is not None and r.usage is not None})
             now_unreadable = frozenset(node for node, count in counts.items() if count is None)
             if now_unreadable - unreadable:  # once per change: its /metrics must listen where its stream comes from
                 log.warning("ext_proc replica decision counts unreadable: such a replica is listed only while "

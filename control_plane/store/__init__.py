@@ -7,6 +7,7 @@
   with a LISTEN/NOTIFY change feed.
 * ``opening``: which one, from the ``store`` setting (``INFERLB_STORE``).
 * ``follow``: apply the changes other replicas make.
+* ``usage``: usage for billing, its table and the SQL both stores run.
 """
 
 from .base import (
@@ -24,8 +25,13 @@ from .base import (
 )
 from .opening import open_store
 from .sqlite import DB_NAME, MIGRATIONS, SCHEMA_VERSION, Store
+from .usage import COUNTER_COLUMNS, OUTCOMES, UsageBucket, UsageRow
 
 __all__ = [
+    "COUNTER_COLUMNS",
+    "OUTCOMES",
+    "UsageBucket",
+    "UsageRow",
     "DB_NAME",
     "MIGRATIONS",
     "SCHEMA_VERSION",

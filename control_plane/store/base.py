@@ -28,6 +28,7 @@ from inferlb_runtime.api_keys import KeyEntry, Quota
 from inferlb_runtime.request_class import PRIORITIES, Priority
 
 from ..model import Endpoint, FleetState, PickPolicySpec
+from .usage import UsageBucket, UsageRow
 
 log = logging.getLogger("inferlb.control_plane.store")
 
@@ -171,6 +172,19 @@ class OperatorStore(Protocol):
     async def revoke_api_key(self, key_id: str, at: float) -> StoredApiKey | None:
         """Mark the key revoked at ``at`` (a key already revoked keeps its first time); the record, or
         None if there is no such key."""
+        ...
+
+    async def record_usage(self, rows: Sequence[UsageRow]) -> None:
+        """Upsert usage observations, keeping each counter's larger value (idempotent; ``usage``)."""
+        ...
+
+    async def usage_buckets(self, tenant: str | None, start: int, end: int, step: int) -> list[UsageBucket]:
+        """Increases per tenant (all, or ``tenant``) over the minutes in [start, end), in ``step``-second
+        buckets aligned to the epoch, ordered by tenant and bucket."""
+        ...
+
+    async def prune_usage(self, cutoff: int) -> int:
+        """Delete usage before ``cutoff`` but the baselines later rows are measured from; how many rows."""
         ...
 
     def changes(self, reload_interval_s: float) -> AsyncIterator[StoreChange]:

@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
@@ -41,6 +41,7 @@ import psycopg
 from psycopg import conninfo
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
+from . import usage
 from .base import (
     API_KEY_COLUMNS,
     OneThreadStore,
@@ -111,8 +112,14 @@ def _migration_2(cur: psycopg.Cursor[Any]) -> None:
         )""")
 
 
+def _migration_3(cur: psycopg.Cursor[Any]) -> None:
+    """Usage for billing (issue 14): cumulative counters per ext_proc instance, tenant and minute (``usage``)."""
+    for statement in usage.create_statements("postgres"):
+        cur.execute(statement)
+
+
 # Ordered: MIGRATIONS[i] takes the schema from version i to i + 1. Append only.
-MIGRATIONS: tuple[Callable[[psycopg.Cursor[Any]], None], ...] = (_migration_1, _migration_2)
+MIGRATIONS: tuple[Callable[[psycopg.Cursor[Any]], None], ...] = (_migration_1, _migration_2, _migration_3)
 # Times as unix seconds, as the SQLite store keeps them.
 _API_KEY_SELECT = (f"SELECT {API_KEY_COLUMNS}, extract(epoch FROM created_at)::float8, "
                    "extract(epoch FROM revoked_at)::float8 FROM api_keys")
@@ -380,6 +387,34 @@ class PostgresStore(OneThreadStore):
 
         await self._acall(lambda: self._write(statements))
         return found[0] if found else None
+
+    # -- usage for billing (``usage``): no notification, nothing for the other replicas to reload -----
+
+    async def record_usage(self, rows: Sequence[usage.UsageRow]) -> None:
+        """Idempotent upserts (GREATEST), so a retry on a fresh connection and another replica's writes of
+        the same observations change nothing."""
+        params = usage.upsert_params(rows)
+
+        def transaction(conn: psycopg.Connection[Any]) -> None:
+            with conn.transaction(), conn.cursor() as cur:
+                cur.executemany(usage.upsert_sql("postgres"), params)
+
+        await self._acall(lambda: self._run(transaction))
+
+    async def usage_buckets(self, tenant: str | None, start: int, end: int, step: int) -> list[usage.UsageBucket]:
+        sql, params = usage.query_sql("postgres", tenant is not None), usage.query_params(tenant, start, end, step)
+        return await self._acall(lambda: self._run(lambda conn: usage.buckets_from(
+            conn.execute(sql, params).fetchall())))
+
+    async def prune_usage(self, cutoff: int) -> int:
+        """Forget usage before ``cutoff`` (unix seconds) but the baselines; the rows deleted."""
+        def transaction(conn: psycopg.Connection[Any]) -> int:
+            mark, delete = usage.prune_statements("postgres")
+            with conn.transaction(), conn.cursor() as cur:
+                cur.execute(mark, {"cutoff": cutoff})
+                return cur.execute(delete, {"cutoff": cutoff}).rowcount
+
+        return await self._acall(lambda: self._run(transaction))
 
     # -- the change feed --------------------------------------------------------------------------
 

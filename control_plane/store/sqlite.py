@@ -31,11 +31,12 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
+from . import usage
 from .base import (
     API_KEY_COLUMNS,
     OneThreadStore,
@@ -103,8 +104,14 @@ def _migration_2(db: sqlite3.Connection) -> None:
         )""")
 
 
+def _migration_3(db: sqlite3.Connection) -> None:
+    """Usage for billing (issue 14): cumulative counters per ext_proc instance, tenant and minute (``usage``)."""
+    for statement in usage.create_statements("sqlite"):
+        db.execute(statement)
+
+
 # Ordered: MIGRATIONS[i] takes the schema from version i to i + 1. Append only.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1, _migration_2)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1, _migration_2, _migration_3)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -316,3 +323,25 @@ class Store(OneThreadStore):
             return None if row is None else api_key_from_row(row, str(self.path))
 
         return await self._acall(revoke)
+
+    # -- usage for billing (``usage``: idempotent upserts, differences taken when read) -------------
+
+    async def record_usage(self, rows: Sequence[usage.UsageRow]) -> None:
+        params = usage.upsert_params(rows)
+        await self._acall(lambda: self._write(lambda db: db.executemany(usage.upsert_sql("sqlite"), params)))
+
+    async def usage_buckets(self, tenant: str | None, start: int, end: int, step: int) -> list[usage.UsageBucket]:
+        sql, params = usage.query_sql("sqlite", tenant is not None), usage.query_params(tenant, start, end, step)
+        return await self._acall(lambda: usage.buckets_from(self._conn().execute(sql, params).fetchall()))
+
+    async def prune_usage(self, cutoff: int) -> int:
+        """Forget usage before ``cutoff`` (unix seconds) but the baselines; the rows deleted."""
+        deleted: list[int] = []
+
+        def statements(db: sqlite3.Connection) -> None:
+            mark, delete = usage.prune_statements("sqlite")
+            db.execute(mark, {"cutoff": cutoff})
+            deleted.append(db.execute(delete, {"cutoff": cutoff}).rowcount)
+
+        await self._acall(lambda: self._write(statements))
+        return deleted[0]
