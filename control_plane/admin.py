@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import ipaddress
 import logging
 import math
@@ -49,7 +50,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlb_runtime import plugins
-from inferlb_runtime.api_keys import KEY_PREFIX, Quota, hash_key, new_key
+from inferlb_runtime.api_keys import KEY_PREFIX, TENANT_PATTERN, Quota, hash_key, new_key
 from inferlb_runtime.request_class import PRIORITIES
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.supervision import Supervised
@@ -78,6 +79,7 @@ from .api_models import (
     PolicyUpdate,
     TelemetryOut,
     TypeStatusOut,
+    UsageReport,
     WeightPin,
     Weights,
     XdsClientOut,
@@ -102,6 +104,7 @@ from .store import (
     reconcile,
 )
 from .telemetry import is_stale
+from .usage.query import BadUsageQuery, Granularity, usage_query, usage_report
 from .type_urls import ENDPOINT, SHORT_NAMES
 from .weight_policies import builtin_weight_policies
 
@@ -119,6 +122,7 @@ ApiKeyId = typing.Annotated[str, Path(description="the key's id (not the key)", 
                                       max_length=100)]
 # Listing keys shows tenants and their quotas: these routes need the token for reads too.
 API_KEYS_PATH = "/v1/api-keys"
+USAGE_PATH = "/v1/usage"  # tenants' usage: the token for reads too
 
 
 class ApiError(Exception):
@@ -150,6 +154,7 @@ E401 = _errors(401, "unauthorized")
 E404 = _errors(404, "endpoint_not_found")
 E404_KEY = _errors(404, "api_key_not_found")
 E409 = _errors(409, "endpoint_exists", "static_endpoint", "endpoint_removing")
+E422_USAGE = _errors(422, "validation_error")
 E422 = _errors(422, "validation_error", "invalid_params")
 E503 = _errors(503, "store_unavailable")
 
@@ -498,6 +503,25 @@ class AdminService:
     async def _push_api_keys(self) -> None:
         await self.controller.set_api_keys(live_key_entries(self._api_keys.values()))
 
+    # -- usage for billing (control_plane/usage) ------------------------------------------------------
+
+    async def usage(self, tenant: str | None, from_text: str | None, to_text: str | None,
+                    granularity: Granularity) -> UsageReport:
+        """Usage from the store; 422 naming a bad parameter, 503 without a store or when it fails."""
+        try:
+            query = usage_query(tenant, from_text, to_text, granularity, datetime.datetime.now(datetime.timezone.utc))
+        except BadUsageQuery as exc:
+            raise ApiError(422, "validation_error", str(exc),
+                           [{"loc": ["query", exc.param], "msg": str(exc), "type": "value_error"}]) from None
+        if self.store is None:
+            raise ApiError(503, "store_unavailable", "usage is kept in the store, and this control plane has none")
+        try:
+            return await usage_report(self.store, query)
+        except StoreError as exc:
+            log.error("usage query failed", extra={"error": str(exc)})
+            raise ApiError(503, "store_unavailable", "usage could not be read from the store",
+                           {"store": str(exc)}) from exc
+
 
     # -- another replica changed the shared store (store.follow) ----------------------------------
 
@@ -584,7 +608,7 @@ inferlb's control plane: see and override what it decides.
 
 Every mutation needs `Authorization: Bearer <token>` (the token is in
 `<data_dir>/admin-token` unless configured). Reads are open from loopback
-unless `admin_auth_reads` is set; `/v1/api-keys` always needs it. Changes reach every Envoy and ext_proc
+unless `admin_auth_reads` is set; `/v1/api-keys` and `/v1/usage` always need it. Changes reach every Envoy and ext_proc
 through xDS within about a second, and survive restarts.
 
 Errors: `{"error": {"status", "code", "message", "detail"}}`.
@@ -622,7 +646,7 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
                            {"WWW-Authenticate": 'Bearer realm="inferlb", error="invalid_token"'})
 
     def needs_token(request: Request) -> bool:
-        if request.method not in ("GET", "HEAD", "OPTIONS") or request.url.path.startswith(API_KEYS_PATH):
+        if request.method not in ("GET", "HEAD", "OPTIONS") or request.url.path.startswith((API_KEYS_PATH, USAGE_PATH)):
             return True
         return auth_reads or not is_loopback(request.client.host if request.client else None)
 
@@ -791,6 +815,20 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
                 responses=_responses(E401, E404_KEY, E422, E503))
     async def revoke_api_key(key_id: ApiKeyId) -> ApiKeyOut:
         return await service.revoke_api_key(key_id)
+
+    @app.get(USAGE_PATH, response_model=UsageReport, dependencies=write, tags=["usage"],
+             summary="Usage for billing per tenant (from the store): totals and buckets of requests, tokens, errors, "
+                     "sheds, rate-limited and unauthenticated requests",
+             responses=_responses(E401, E422_USAGE, E503))
+    async def usage(
+        tenant: typing.Annotated[str | None, Query(max_length=63, pattern=TENANT_PATTERN.pattern,
+                                                   description="one tenant; unset: all")] = None,
+        from_: typing.Annotated[str | None, Query(alias="from", max_length=64,
+                                                  description="RFC 3339; default: 24 h before to")] = None,
+        to: typing.Annotated[str | None, Query(max_length=64, description="RFC 3339, exclusive; default: now")] = None,
+        granularity: Granularity = "hour",
+    ) -> UsageReport:
+        return await service.usage(tenant, from_, to, granularity)
 
     @app.get("/v1/dataplane", response_model=DataPlaneStatus, dependencies=read, tags=["dataplane"],
              summary="The data plane: envoy (xDS), or nginx with its applied config, reloads and last error",

@@ -8,6 +8,7 @@ answers cannot drift apart.
 from __future__ import annotations
 
 import math
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -269,6 +270,39 @@ class ApiKeyCreated(ApiKeyOut):
 
 class ApiKeyList(BaseModel):
     api_keys: list[ApiKeyOut] = Field(description="oldest first")
+
+
+# --- usage for billing ---------------------------------------------------------------------------------
+
+
+class UsageCounts(BaseModel):
+    requests: int = Field(description="the tenant's requests, whatever their outcome")
+    tokens: int = Field(description="tokens of the served requests (2xx), as ext_proc counted them before "
+                                    "routing: the billable figure")
+    errors: int = Field(description="requests that failed: an error answer, or the stream ended first")
+    sheds: int = Field(description="requests shed with 429 overloaded (sheddable, over the SLO)")
+    rate_limited: int = Field(description="requests refused with 429 rate_limit_exceeded (over a quota)")
+    unauthenticated: int = Field(description="requests refused for their API key (401)")
+
+
+class UsageBucketOut(UsageCounts):
+    start: datetime = Field(description="the bucket's start (UTC, aligned to its minute, hour or day)")
+
+
+class TenantUsage(BaseModel):
+    tenant: str = Field(description="the API key's tenant; anonymous: no key; other: beyond ext_proc's 1000")
+    totals: UsageCounts
+    buckets: list[UsageBucketOut] = Field(description="oldest first; buckets without usage are left out")
+
+
+class UsageReport(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    from_: datetime = Field(alias="from", description="the start of the first minute counted")
+    to: datetime = Field(description="exclusive")
+    granularity: Literal["minute", "hour", "day"]
+    tenant: str | None = Field(description="the tenant asked for; null: every tenant")
+    tenants: list[TenantUsage] = Field(description="by name; tenants without usage in the span are left out")
 
 
 # --- data plane (NGINX mode) --------------------------------------------------------------------------

@@ -59,6 +59,7 @@ OPERATIONS = [
     ("GET", "/v1/xds/clients"), ("GET", "/v1/dataplane"),
     ("POST", "/v1/api-keys"), ("GET", "/v1/api-keys"),
     ("GET", "/v1/api-keys/{key_id}"), ("DELETE", "/v1/api-keys/{key_id}"),
+    ("GET", "/v1/usage"),
     ("GET", "/healthz"), ("GET", "/readyz"),
 ]
 
