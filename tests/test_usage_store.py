@@ -95,6 +95,34 @@ def test_only_changed_counters_are_written_and_gone_instances_forgotten() -> Non
     assert set(recorder._written) == {("r1@200.00", "a")}  # the old instance's memory is gone
 
 
+def test_counters_that_went_down_are_written_again_in_the_next_minute(tmp_path: Path) -> None:
+    """Without a new process start, a reset shows only as lower counters: the minute's row keeps the larger
+    values (GREATEST), so the lower ones go into the next minute's row, where the store sees the reset."""
+    async def scenario(store: Store) -> None:
+        recorder = UsageRecorder()
+
+        async def look_at(value: int, at: float) -> list[UsageRow]:
+            reading = {"r1": look({"a": counters(value)})}
+            rows = recorder.rows(reading, at)
+            await store.record_usage(rows)
+            recorder.written(rows, reading)
+            return rows
+
+        assert len(await look_at(4, T0)) == 1
+        assert len(await look_at(2, T0 + 10)) == 1  # the reset: this minute's row keeps 4
+        assert len(await look_at(3, T0 + 20)) == 1  # still its minute
+        assert await look_at(3, T0 + 30) == []
+        assert [r.minute for r in await look_at(3, T0 + 60)] == [T0 + 60]  # again, in a row of its own
+        assert await look_at(3, T0 + 70) == []
+        assert by_bucket(await store.usage_buckets(None, T0, T0 + 3600, 60)) == {("a", 0): 4, ("a", 1): 3}
+
+    store = Store.open(tmp_path)
+    try:
+        asyncio.run(scenario(store))
+    finally:
+        store.close()
+
+
 def test_rows_per_replica_and_minute_are_capped() -> None:
     recorder = UsageRecorder(max_rows_per_replica_minute=3)
     reading = {"r1": look({f"t{i}": counters(1) for i in range(5)}), "r2": look({"x": counters(1)})}

@@ -3,7 +3,10 @@
 :class:`UsageRecorder` decides what to write (pure bookkeeping, clock given):
 each (instance, tenant) whose counters changed since the last observation
 written, as the cumulative values in the current minute's row. Unchanged
-counters write nothing, so an idle tenant costs no rows. It bounds what one
+counters write nothing, so an idle tenant costs no rows. Counters that went
+down (a reset the process start does not show) are written again in the
+next minute: the minute's row kept the larger value seen before the reset,
+and the next row, lower, is what the store takes as the reset. It bounds what one
 replica can make the store keep: at most :data:`MAX_ROWS_PER_REPLICA_MINUTE`
 rows per node id and minute (a replica that restarted within the minute
 writes its tenants twice); beyond that the rest waits for the next minute.
@@ -50,7 +53,8 @@ class UsageRecorder:
     """What each look adds to the store; see the module docstring."""
 
     max_rows_per_replica_minute: int = MAX_ROWS_PER_REPLICA_MINUTE
-    _written: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)  # (instance, tenant) -> seen
+    # (instance, tenant) -> the counters last written, and the minute of a reset not yet in a later row
+    _written: dict[tuple[str, str], tuple[tuple[int, ...], int | None]] = field(default_factory=dict)
     _budget: dict[str, tuple[int, int]] = field(default_factory=dict)  # node id -> (minute, rows written)
 
     def rows(self, readings: Mapping[str, ReplicaUsage], now: float) -> list[UsageRow]:
@@ -63,7 +67,7 @@ class UsageRecorder:
             spent = spent if spent_minute == minute else 0
             changed = [UsageRow(instance, tenant, minute, counters)
                        for tenant, counters in sorted(usage.tenants.items())
-                       if self._written.get((instance, tenant)) != counters]
+                       if self._worth_writing(self._written.get((instance, tenant)), counters, minute)]
             allowed = max(0, self.max_rows_per_replica_minute - spent)
             if len(changed) > allowed:
                 log.warning("ext_proc replica over its usage rows for this minute: the rest waits for the next",
@@ -74,10 +78,25 @@ class UsageRecorder:
         self._budget = {node: spent for node, spent in self._budget.items() if node in readings}
         return rows
 
+    @staticmethod
+    def _worth_writing(last: tuple[tuple[int, ...], int | None] | None, counters: tuple[int, ...],
+                       minute: int) -> bool:
+        if last is None:
+            return True
+        seen, reset_minute = last
+        return counters != seen or (reset_minute is not None and minute > reset_minute)
+
     def written(self, rows: list[UsageRow], readings: Mapping[str, ReplicaUsage]) -> None:
         """``rows`` are in the store; forget the instances not in ``readings`` (gone, restarted, unreadable)."""
         for row in rows:
-            self._written[(row.instance, row.tenant)] = row.counters
+            key = (row.instance, row.tenant)
+            last = self._written.get(key)
+            reset_minute = None
+            if last is not None and any(now < before for now, before in zip(row.counters, last[0])):
+                reset_minute = row.minute
+            elif last is not None and last[1] is not None and row.minute <= last[1]:
+                reset_minute = last[1]  # still the reset's minute: its row kept the larger values
+            self._written[key] = (row.counters, reset_minute)
         live = {instance_key(node, usage.started_at) for node, usage in readings.items()}
         self._written = {key: seen for key, seen in self._written.items() if key[0] in live}
 
