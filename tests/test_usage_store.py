@@ -253,3 +253,13 @@ def test_ingest_writes_each_look_and_a_store_failure_loses_nothing(tmp_path: Pat
         asyncio.run(scenario(store))
     finally:
         store.close()
+
+
+def test_refused_series_are_logged_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
+    recorder = UsageRecorder()
+    bad = {"r1": ReplicaUsage(1.0, {"a": counters(1)}, refused=3)}
+    with caplog.at_level("WARNING", logger="inferlb.control_plane.usage"):
+        for second in range(3):
+            recorder.rows(bad, T0 + second)
+        recorder.rows({"r1": ReplicaUsage(1.0, {"a": counters(1)}, refused=4)}, T0 + 4)
+    assert [r.refused for r in caplog.records] == [3, 4]  # type: ignore[attr-defined]

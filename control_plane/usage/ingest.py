@@ -56,12 +56,17 @@ class UsageRecorder:
     # (instance, tenant) -> the counters last written, and the minute of a reset not yet in a later row
     _written: dict[tuple[str, str], tuple[tuple[int, ...], int | None]] = field(default_factory=dict)
     _budget: dict[str, tuple[int, int]] = field(default_factory=dict)  # node id -> (minute, rows written)
+    _refused: dict[str, int] = field(default_factory=dict)  # node id -> series left out of its last look
 
     def rows(self, readings: Mapping[str, ReplicaUsage], now: float) -> list[UsageRow]:
         """The observations of this look worth writing (call :meth:`written` once they are)."""
         minute = int(now // 60) * 60
         rows: list[UsageRow] = []
         for node, usage in sorted(readings.items()):
+            if usage.refused and usage.refused != self._refused.get(node):  # once per change, not per look
+                log.warning("ext_proc replica's usage series left out (bad tenant, outcome or value, or over "
+                            "the tenant cap)", extra={"replica": node, "refused": usage.refused})
+            self._refused[node] = usage.refused
             instance = instance_key(node, usage.started_at)
             spent_minute, spent = self._budget.get(node, (minute, 0))
             spent = spent if spent_minute == minute else 0
@@ -76,6 +81,7 @@ class UsageRecorder:
             self._budget[node] = (minute, spent + len(changed))
             rows.extend(changed)
         self._budget = {node: spent for node, spent in self._budget.items() if node in readings}
+        self._refused = {node: refused for node, refused in self._refused.items() if node in readings}
         return rows
 
     @staticmethod
