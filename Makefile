@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # The model package is installed without its declared dependencies (torch): see pyproject.toml.
 MODEL_REQ := $(shell sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)
 # Debian packages the test suite needs, and those the benchmarks need (installed when missing).
-APT_PACKAGES := nginx postgresql
+APT_PACKAGES := nginx postgresql redis-server
 BENCH_APT_PACKAGES := wrk
 export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     SettingsConfigDict,
@@ -22,6 +22,8 @@ from pydantic_settings import (
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.settings import PolicyModules, load_layered
 from inferlb_runtime.tls import all_or_none
+
+from .quota import check_store_url
 
 MIB = 1024 * 1024
 
@@ -78,9 +80,22 @@ class ExtProcConfig(BaseSettings):
     inline_count_bytes: int = Field(16 * 1024, ge=0)
     # Observability headers on the response to the client (x-inferlb-endpoint, ...).
     response_headers: bool = True
+    # Where tenants' quota counters live: "memory" (in process: one replica) or a redis://, rediss:// or
+    # unix:// URL (shared by the replicas). When Redis does not answer within quota_store_timeout_ms,
+    # "open" admits and "closed" refuses (both counted in the metrics).
+    quota_store: str = "memory"
+    quota_failure_mode: Literal["open", "closed"] = "open"
+    quota_store_timeout_ms: int = Field(50, ge=1, le=10_000)
+    # A request's tokens in flight are freed when it ends, or after this if its replica died first.
+    quota_lease_ttl_s: float = Field(300.0, gt=0, le=86_400)
     # uvloop when installed (grpc.aio runs on it: fewer CPU cycles per stream); "asyncio": the default loop.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("quota_store")
+    @classmethod
+    def _quota_store_url(cls, value: str) -> str:
+        return check_store_url(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExtProcConfig":
