@@ -75,8 +75,9 @@ class UsageRecorder:
                        if self._worth_writing(self._written.get((instance, tenant)), counters, minute)]
             allowed = max(0, self.max_rows_per_replica_minute - spent)
             if len(changed) > allowed:
-                log.warning("ext_proc replica over its usage rows for this minute: the rest waits for the next",
-                            extra={"replica": node, "rows": len(changed), "allowed": allowed})
+                if allowed:  # the look that reaches the cap, not every look after it
+                    log.warning("ext_proc replica over its usage rows for this minute: the rest waits for the next",
+                                extra={"replica": node, "rows": len(changed), "allowed": allowed})
                 changed = changed[:allowed]
             self._budget[node] = (minute, spent + len(changed))
             rows.extend(changed)
