@@ -5,8 +5,9 @@
 configuration) in ``run_command.py``; ``inferlb bench overload`` (issue 13's
 classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests against
 workers full of the largest ones, per worker scheduling option) in ``hogs.py``; the component benchmarks ``inferlb bench
-worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/`` and ``ext-proc`` in
-``ext_proc_bench/``. Each keeps heavy imports (matplotlib, the model, the
+worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
+``ext_proc_bench/`` and ``quota`` (a tenant's key lookup and quota check) in
+``quota_bench.py``. Each keeps heavy imports (matplotlib, the model, the
 services) inside its ``main`` so that ``inferlb --help`` stays fast.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import hogs, load_command, overload, run_command, worker_bench
+from . import hogs, load_command, overload, quota_bench, run_command, worker_bench
 from .ext_proc_bench import command as ext_proc_command
 from .xds_bench import command as xds_command
 
@@ -58,3 +59,9 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     ext_proc_command.add_arguments(ext_proc)
     ext_proc.set_defaults(func=ext_proc_command.main)
+    quota = commands.add_parser("quota", help="ext_proc's CPU per request for the key lookup and quota check, "
+                                "in process and with Redis",
+                                description=quota_bench.DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    quota_bench.add_arguments(quota)
+    quota.set_defaults(func=quota_bench.main)
