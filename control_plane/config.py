@@ -52,6 +52,10 @@ class DataPlaneConfig(BaseModel):
     ext_proc_message_timeout_ms: int = Field(200, ge=1, le=60000)
     # false: Envoy gets no ext_proc filter (routing on the control plane's weights alone).
     ext_proc_enabled: bool = True
+    # ext_proc checks API keys (its own require_api_keys refuses requests without one). With this on,
+    # Envoy never lets a request past ext_proc when ext_proc cannot be reached (failure_mode_allow off):
+    # a request that skipped ext_proc would skip the key check. Run several ext_proc replicas.
+    require_api_keys: bool = False
     max_request_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     request_timeout_s: float = Field(60.0, gt=0)
     retries: int = Field(2, ge=0, le=10)
@@ -81,6 +85,7 @@ class DataPlaneConfig(BaseModel):
                 port=self.ext_proc_port,
                 message_timeout_ms=self.ext_proc_message_timeout_ms,
                 max_request_body_bytes=self.max_request_body_bytes,
+                failure_mode_allow=not self.require_api_keys,
                 enabled=self.ext_proc_enabled,
             ),
             request_timeout_s=self.request_timeout_s,

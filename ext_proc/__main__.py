@@ -10,6 +10,7 @@ import signal
 import sys
 from pathlib import Path
 from typing import Any, Coroutine, Sequence
+from urllib.parse import urlsplit
 
 import uvicorn
 from pydantic import ValidationError
@@ -21,6 +22,7 @@ from inferlb_runtime.tls import PemFiles, load_pem_files
 
 from .config import ExtProcConfig, load_config
 from .metrics import ExtProcMetrics, LiveState, create_http_app
+from .quota_stores import open_quota_store
 from .registry import PluginRegistry
 from .server import ExtProcServicer, ServiceSettings
 from .serving import HealthReporter, serve_grpc
@@ -31,6 +33,15 @@ log = logging.getLogger("inferlb.ext_proc")
 
 # Streams in flight get this long to finish on SIGTERM (Envoy fails open on the rest).
 SHUTDOWN_GRACE_S = 5.0
+
+
+def redacted_url(url: str) -> str:
+    """A store URL fit for a log line: without its user and password."""
+    parts = urlsplit(url)
+    if not parts.scheme:
+        return url
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
 
 
 def xds_tls(config: ExtProcConfig) -> PemFiles | None:
@@ -51,10 +62,14 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
         backoff_initial_s=config.reconnect_initial_s, backoff_max_s=config.reconnect_max_s,
         tls=tls, tls_server_name=config.xds_tls_server_name, metrics_port=config.metrics_port,
     ), observer=metrics)
+    quotas = open_quota_store(config.quota_store, config.quota_failure_mode, config.quota_store_timeout_ms / 1000,
+                              config.quota_lease_ttl_s, metrics)
     servicer = ExtProcServicer.create(
         ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
-                        response_headers=config.response_headers, max_body_bytes=config.max_body_bytes),
-        xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params), config.policy_allowlist)
+                        response_headers=config.response_headers, max_body_bytes=config.max_body_bytes,
+                        require_api_keys=config.require_api_keys),
+        xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params), config.policy_allowlist,
+        quotas)
     holder.append(servicer)
     health = HealthReporter(xds)
     grpc_server = await serve_grpc(servicer, health, config.grpc_target, config.grpc_max_message_bytes,
@@ -62,7 +77,11 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
     xds.start()
 
     def not_ready() -> str | None:
-        return None if xds.view is not None else f"no EDS from the control plane at {config.xds_target} yet"
+        if xds.view is None:
+            return f"no EDS from the control plane at {config.xds_target} yet"
+        if config.require_api_keys and xds.key_table is None:
+            return f"API keys are required and no key table from the control plane at {config.xds_target} yet"
+        return None
 
     tasks: list[asyncio.Task[object]] = []
     http = None
@@ -81,6 +100,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
         "xds": config.xds_target, "xds_mode": config.xds_mode, "xds_mtls": tls is not None,
         "node_id": config.node_id,
         "node_cluster": config.node_cluster, "pick_policy": config.pick_policy,
+        "require_api_keys": config.require_api_keys, "quota_store": redacted_url(config.quota_store),
     })
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -91,6 +111,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
     await health.stop()  # NOT_SERVING first
     await grpc_server.stop(SHUTDOWN_GRACE_S)
     await xds.stop()
+    await quotas.aclose()
     if http is not None:
         http.should_exit = True
     stopper.cancel()

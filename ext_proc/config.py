@@ -80,6 +80,9 @@ class ExtProcConfig(BaseSettings):
     inline_count_bytes: int = Field(16 * 1024, ge=0)
     # Observability headers on the response to the client (x-inferlb-endpoint, ...).
     response_headers: bool = True
+    # Refuse requests without a known API key (401 invalid_api_key) instead of serving them as the anonymous
+    # tenant. Set the control plane's data_plane.require_api_keys too, so Envoy never skips ext_proc.
+    require_api_keys: bool = False
     # Where tenants' quota counters live: "memory" (in process: one replica) or a redis://, rediss:// or
     # unix:// URL (shared by the replicas). When Redis does not answer within quota_store_timeout_ms,
     # "open" admits and "closed" refuses (both counted in the metrics).

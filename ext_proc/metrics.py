@@ -19,7 +19,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -34,6 +34,7 @@ from .outstanding import OutstandingLoad
 PREFIX = "inferlb_ext_proc_"
 # A decision is tens of microseconds; a slow one (a huge body tokenised in a thread) tens of ms.
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Why a request went without a pick, or with a weaker one (label ``reason``).
@@ -210,6 +211,15 @@ class ExtProcMetrics:
         self.policy_switches = Counter(f"{PREFIX}policy_switches", "Pick-policy changes, by result.",
                                        ["result"], registry=r)
         # User plugins of the pick chain report contained failures here (through the registry's observer).
+        self.quota_decisions = Counter(f"{PREFIX}quota_decisions", "Quota checks, by result: admitted, limited "
+                                       "(429), failed_open / failed_closed (the quota store unreachable or too "
+                                       "slow; the configured failure mode decided).", ["result"], registry=r)
+        self.quota_store_errors = Counter(f"{PREFIX}quota_store_errors", "Calls to the shared quota store (Redis) "
+                                          "that failed or timed out, by operation.", ["operation"], registry=r)
+        self.quota_store_seconds = Histogram(f"{PREFIX}quota_store_seconds", "Round trips to the shared quota "
+                                             "store (Redis).", buckets=STORE_BUCKETS, registry=r)
+        for result in ("admitted", "limited", "failed_open", "failed_closed"):
+            self.quota_decisions.labels(result=result)
         self.policy_failures = Counter(f"{PREFIX}policy_failures",
                                        "User pick-chain plugin calls contained (the chain went on without it, or "
                                        "it was over its time budget), by plugin and reason.", ["policy", "reason"],
@@ -259,6 +269,16 @@ class ExtProcMetrics:
 
     def policy_failure(self, policy: str, reason: str) -> None:
         self.policy_failures.labels(policy=policy, reason=reason).inc()
+
+    # QuotaObserver (a quota check is one per request with a quota: prometheus_client's cost is fine there)
+    def quota_decision(self, result: str) -> None:
+        self.quota_decisions.labels(result=result).inc()
+
+    def quota_store_error(self, operation: str) -> None:
+        self.quota_store_errors.labels(operation=operation).inc()
+
+    def quota_store_latency(self, seconds: float) -> None:
+        self.quota_store_seconds.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

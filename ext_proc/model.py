@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
+from inferlb_runtime.api_keys import ANONYMOUS_TENANT
 from inferlb_runtime.request_class import Priority
 
 
@@ -52,6 +53,7 @@ class RequestView:
     headers: Mapping[str, str] = field(default_factory=dict)
     priority: Priority = Priority.STANDARD  # its class (x-gateway-inference-objective)
     budget_s: float | None = None  # seconds left before its deadline, at the decision; None: no deadline
+    tenant: str = ANONYMOUS_TENANT  # its API key's tenant (ext_proc/callers.py)
 
 
 class Candidate(NamedTuple):
@@ -85,6 +87,7 @@ class Reply:
     message: str  # what happened and what to do, for a person
     type: str = "server_error"
     retry_after_s: int | None = None  # a Retry-After header, when retrying later is the advice
+    headers: tuple[tuple[str, str], ...] = ()  # more response headers (the x-ratelimit-* of a 429)
 
 
 class Decision(NamedTuple):

@@ -58,9 +58,13 @@ from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.request_class import OBJECTIVE_HEADER, BadRequestHeader, Priority, parse_budget_s, parse_priority
 
 from . import wire
+from .callers import ANONYMOUS, AUTHORIZATION_HEADER, Caller, identify
 from .metrics import ExtProcMetrics, LiveState
 from .model import Decision, Reply, RequestView
 from .outstanding import OutstandingLoad
+from .quota import QuotaOutcome, QuotaStore, rate_limit_headers
+from .quota_memory import MemoryQuotaStore
+from .quota_reply import quota_reply
 from .registry import PluginRegistry
 from .routing import Router
 from .tokens import TokenCounter
@@ -78,6 +82,8 @@ class ServiceSettings:
     response_headers: bool = True
     # The most request body a stream may buffer: Envoy's own limit (the route's request_body_buffer_limit).
     max_body_bytes: int = 4 * 1024 * 1024
+    # A request without a known API key is refused (401) rather than served as the anonymous tenant.
+    require_api_keys: bool = False
 
 
 def _same_spec(a: PickPolicySpec, b: PickPolicySpec) -> bool:
@@ -91,7 +97,8 @@ def _serialize(response: bytes | pb.ProcessingResponse) -> bytes:
 class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
-    __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s", "priority", "deadline")
+    __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s", "priority", "deadline",
+                 "caller", "quota", "forwarded", "outcome", "mutation")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -103,6 +110,11 @@ class _Stream:
         self.predicted_s = 0.0
         self.priority = Priority.STANDARD  # x-gateway-inference-objective
         self.deadline: float | None = None  # time.perf_counter() seconds, from a budget header
+        self.caller: Caller = ANONYMOUS  # from the API key (callers.py)
+        self.quota: QuotaOutcome | None = None  # the quota check's outcome, if the caller has a quota
+        self.forwarded = False  # sent on to a worker (with or without a pick): its quota is used, not refunded
+        self.outcome = "failed"  # for the tenant's usage: served, failed, rate_limited, shed, unauthenticated
+        self.mutation = b""  # request-header entries a GET's decision still has to apply
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -113,12 +125,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     """
 
     def __init__(self, settings: ServiceSettings, source: ViewSource, counter: TokenCounter, router: Router,
-                 metrics: ExtProcMetrics, policy_spec: PickPolicySpec | None = None) -> None:
+                 metrics: ExtProcMetrics, policy_spec: PickPolicySpec | None = None,
+                 quotas: QuotaStore | None = None) -> None:
         self.settings = settings
         self.source = source
         self.counter = counter
         self.router = router
         self.metrics = metrics
+        self.quotas: QuotaStore = quotas if quotas is not None else MemoryQuotaStore()
+        self._releases: set[asyncio.Task[None]] = set()  # quota leases being given back
         self.policy_spec = policy_spec or PickPolicySpec(router.policy)
         self._rejected: PickPolicySpec | None = None  # the last spec EDS asked for that could not be built
         self.active_streams = 0
@@ -127,6 +142,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._strip_raw = tuple(name.encode() for name in self._strip)
         # A prefilter on the raw headers (a false positive only costs a parse): both budget headers end so.
         self._class_raw = (OBJECTIVE_HEADER.encode(), b"-timeout-ms")
+        self._authorization_raw = AUTHORIZATION_HEADER.encode()
+        self._strip_all = (*self._strip, AUTHORIZATION_HEADER)
+        self._class_entries = {p: wire.header_entries(((OBJECTIVE_HEADER, p.name.lower()),)) for p in Priority}
         self._answers = wire.PickAnswers(settings.pick_header, settings.pick_metadata_namespace)
         self._too_large = wire.body_too_large_response(settings.max_body_bytes)
         source.add_listener(self.on_view)
@@ -136,13 +154,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     @classmethod
     def create(cls, settings: ServiceSettings, source: ViewSource, metrics: ExtProcMetrics,
                counter: TokenCounter, default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
-               allow: PolicyAllowlist = PolicyAllowlist()) -> "ExtProcServicer":
+               allow: PolicyAllowlist = PolicyAllowlist(), quotas: QuotaStore | None = None) -> "ExtProcServicer":
         """The servicer with a fresh router (``default_policy`` until EDS names one; a bad default raises
         ValueError here, at start-up). Only built-ins, entry points and specs under ``allow``'s module
         prefixes are loaded, whatever EDS names."""
         registry = PluginRegistry(allow, observer=metrics.policy_failure)
         router = Router(registry, default_policy.name, dict(default_policy.params))
-        return cls(settings, source, counter, router, metrics, default_policy)
+        return cls(settings, source, counter, router, metrics, default_policy, quotas)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the ExternalProcessor service on raw bytes (this servicer parses and serialises)."""
@@ -213,12 +231,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         continue
                     body = b"".join((*stream.body, message.body)) if stream.body else message.body
                     stream.body = []
-                    if self.counter.needs_thread(body):
-                        yield await self._decide_in_thread(stream, body)
-                    else:
-                        yield self._decide(stream, body, False, ())
+                    yield await self._on_body(stream, body)
                 elif kind == "request_headers":
-                    yield self._on_request_headers(stream, request.request_headers, raw)
+                    answer = self._on_request_headers(stream, request.request_headers, raw)
+                    yield answer if answer is not None else await self._on_body(stream, b"", True)
                 elif kind == "response_headers":
                     yield self._on_response_headers(stream, request)
                     return  # nothing else is configured to come: close now, do not wait for Envoy's half-close
@@ -232,77 +248,146 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self.active_streams -= 1
             if self.router.release(stream.key):  # idempotent: only a first release counts
                 self.metrics.count("released", how)
+            self.metrics.tenant_usage(stream.caller.tenant, stream.outcome, stream.tokens)
+            if stream.quota is not None and stream.quota.lease is not None:
+                self._give_back(stream.quota, stream.forwarded)
+
+    def _give_back(self, outcome: QuotaOutcome, served: bool) -> None:
+        """Return a quota lease (in-flight tokens; the minute's share too if the request never ran), off the
+        stream: the stream may be ending by cancellation, and Redis is a round trip away."""
+        task = asyncio.get_running_loop().create_task(self.quotas.release(outcome.lease, served))
+        self._releases.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Task[None]) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("quota lease release failed", exc_info=task.exception())
 
     # -- request headers --------------------------------------------------
-    def _on_request_headers(self, stream: _Stream, message: pb.HttpHeaders, raw: bytes | None) -> bytes:
-        if raw is None or any(name in raw for name in self._strip_raw):  # maybe a client-sent pick header
+    def _on_request_headers(self, stream: _Stream, message: pb.HttpHeaders, raw: bytes | None) -> bytes | None:
+        """The answer to the request headers; None when no body is coming (a GET): decide now, with
+        ``stream.mutation`` still to apply."""
+        authorization = raw is None or self._authorization_raw in raw
+        if authorization or any(name in raw for name in self._strip_raw):  # type: ignore[operator]
             keys = {h.key for h in message.headers.headers}
-            strip = [name for name in self._strip if name in keys]
+            # Pick headers a client sent, and its API key: the workers never see one.
+            strip = [name for name in self._strip_all if name in keys]
         else:
             strip = []
-        stream.headers = wire.RequestHeaders(message, strip)
+        stream.headers = headers = wire.RequestHeaders(message, strip)
+        if authorization or self.settings.require_api_keys:
+            authorization = AUTHORIZATION_HEADER in strip
+            caller = identify(wire.header_value(message, AUTHORIZATION_HEADER) if authorization else None,
+                              self.source.key_table, self.settings.require_api_keys)
+            if type(caller) is not Caller:
+                self.metrics.count("auth_failures", "no_key_table" if caller.status == 503 else
+                                   "invalid_key" if authorization else "missing_key")
+                stream.outcome = "unauthenticated"
+                return wire.reply_response(caller)
+            stream.caller = caller
+        asked: Priority | None = None
         if raw is None or any(name in raw for name in self._class_raw):
             try:
-                stream.priority = parse_priority(stream.headers)
-                budget = parse_budget_s(stream.headers)
+                asked = parse_priority(headers) if OBJECTIVE_HEADER in headers else None
+                budget = parse_budget_s(headers)
             except BadRequestHeader as exc:
                 self.metrics.count("parse_failures", "request_headers")
                 return wire.reply_response(Reply(400, "invalid_header", str(exc), type="invalid_request_error"))
             if budget is not None:
                 stream.deadline = time.perf_counter() + budget
+        stream.priority = priority = stream.caller.priority_for(asked)
+        mutation = b"".join([wire.removal(name) for name in strip]) if strip else b""
+        if priority is not (asked if asked is not None else Priority.STANDARD):
+            # The workers order their queues by the class header: tell them the class the key allows.
+            mutation += self._class_entries[priority]
         if message.end_of_stream:  # no body is coming (GET): decide now
-            return self._decide(stream, b"", True, strip)
-        return wire.request_headers_answer(strip)
+            stream.mutation = mutation
+            return None
+        return wire.request_headers_answer(mutation)
 
-    # -- request body -----------------------------------------------------
-    async def _decide_in_thread(self, stream: _Stream, body: bytes) -> bytes:
-        """A large body: counted off the event loop (then decided on the latest view)."""
+    # -- admission and the decision ---------------------------------------
+    async def _on_body(self, stream: _Stream, body: bytes, headers_phase: bool = False) -> bytes:
+        """Count the tokens, check the caller's quota, then pick (or answer the request ourselves)."""
         started = time.perf_counter()
         view = self.source.view
-        if view is None or not view.routable:
-            return self._decide(stream, body, False, ())  # no counting needed to answer that
-        request = await asyncio.to_thread(self.counter.count, body, stream.headers)
-        return self._decide(stream, body, False, (), request, started)
+        quota = stream.caller.quota
+        request: RequestView | None = None
+        if (view is not None and view.routable) or not quota.unlimited:
+            if self.counter.needs_thread(body):  # a large body: counted off the event loop
+                request = await asyncio.to_thread(self.counter.count, body, stream.headers)
+            else:
+                request = self.counter.count(body, stream.headers)
+            stream.tokens = request.tokens
+        if not quota.unlimited:
+            assert request is not None
+            waited = time.perf_counter()
+            refused = await self._check_quota(stream, request.tokens)
+            if refused is not None:
+                return refused
+            started += time.perf_counter() - waited  # the decision time leaves the store's round trip out
+        return self._decide(stream, request, headers_phase, started)
 
-    def _decide(self, stream: _Stream, body: bytes, headers_phase: bool, strip: Sequence[str],
-                request: RequestView | None = None, started: float | None = None) -> bytes:
-        if started is None:
-            started = time.perf_counter()
+    async def _check_quota(self, stream: _Stream, tokens: int) -> bytes | None:
+        """Take the tokens from the caller's quota; the 429 (or, with the store unreachable and failing
+        closed, the 503) when it has not got them."""
+        caller = stream.caller
+        stream.quota = outcome = await self.quotas.acquire(caller.tenant, caller.quota, tokens)
+        if outcome.admitted:
+            return None
+        stream.outcome = "rate_limited"
+        if outcome.store_failed:
+            self.metrics.count("admit_replies", "quota_unavailable")
+            return wire.reply_response(Reply(
+                503, "quota_unavailable", "Quotas cannot be checked right now (the quota store is unreachable "
+                "and this gateway is configured to fail closed). Retry shortly.", retry_after_s=1))
+        self.metrics.count("admit_replies", "rate_limit_exceeded")
+        return wire.reply_response(quota_reply(caller.tenant, outcome, tokens))
+
+    def _decide(self, stream: _Stream, request: RequestView | None, headers_phase: bool, started: float) -> bytes:
+        mutation = stream.mutation if headers_phase else b""
         view = self.source.view
         if view is None:
             self.metrics.count("fallbacks", "no_view")
-            return wire.without_pick(headers_phase, strip)
+            stream.forwarded = True
+            return wire.without_pick(headers_phase, mutation)
         if not view.routable:
             self.metrics.count("fallbacks", "no_endpoint")
             return wire.NO_ENDPOINT
         if request is None:
-            request = self.counter.count(body, stream.headers)
-        if request.estimated and body:
+            request = self.counter.count(b"", stream.headers)  # the view turned routable meanwhile
+            stream.tokens = request.tokens
+        if request.estimated and stream.tokens:
             self.metrics.count("fallbacks", "estimated_tokens")
             self.metrics.count("parse_failures", "request_body")
-        stream.tokens = request.tokens
-        if stream.priority is not Priority.STANDARD or stream.deadline is not None:
+        if stream.priority is not Priority.STANDARD or stream.deadline is not None or stream.caller.key_id:
             budget = stream.deadline - time.perf_counter() if stream.deadline is not None else None
-            request = dataclasses.replace(request, priority=stream.priority, budget_s=budget)
+            request = dataclasses.replace(request, priority=stream.priority, budget_s=budget,
+                                          tenant=stream.caller.tenant)
         try:
             outcome = self.router.decide(stream.key, request, view.endpoints)
         except Exception:
             log.exception("pick chain failed; letting Envoy's fallback route the request")
             self.metrics.count("fallbacks", "policy_error")
-            return wire.without_pick(headers_phase, strip, request.tokens)
+            stream.forwarded = True
+            return wire.without_pick(headers_phase, mutation, request.tokens)
         if type(outcome) is Decision:
-            return self._with_pick(stream, view, request, outcome, headers_phase, started)
+            stream.forwarded = True
+            return self._with_pick(stream, view, request, outcome, headers_phase, started, mutation)
         if outcome is None:  # view.routable is not empty (checked above): the chain ranked none
             self.metrics.count("fallbacks", "no_decision")
-            return wire.without_pick(headers_phase, strip, request.tokens)
+            stream.forwarded = True
+            return wire.without_pick(headers_phase, mutation, request.tokens)
         self.metrics.count("admit_replies", outcome.code)
+        stream.outcome = "shed" if outcome.status == 429 else "failed"
         return wire.reply_response(outcome)
 
     def _with_pick(self, stream: _Stream, view: FleetView, request: RequestView, decision: Decision,
-                   headers_phase: bool, started: float) -> bytes:
+                   headers_phase: bool, started: float, mutation: bytes) -> bytes:
         value, pick_option, metadata = self._answers.pick(decision.ranked, view.pick_values)
         stream.pick, stream.predicted_s = decision.ranked[0], decision.predicted_s
-        answer = self._answers.answer(headers_phase, pick_option, metadata, request.tokens, decision.predicted_s)
+        answer = self._answers.answer(headers_phase, pick_option, metadata, request.tokens, decision.predicted_s,
+                                      mutation)
         self.metrics.decision(decision.policy, stream.pick, time.perf_counter() - started)
         if request.budget_s is not None:
             self.metrics.count("deadlines", "met" if decision.completion_s <= request.budget_s else "missed")
@@ -310,24 +395,32 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.debug("decision", extra={"pick": value, "tokens": request.tokens, "estimated": request.estimated,
                                          "predicted_ms": round(decision.predicted_s * 1000, 3),
                                          "completion_ms": round(decision.completion_s * 1000, 3),
-                                         "policy": decision.policy, "evaluated": decision.evaluated})
+                                         "policy": decision.policy, "evaluated": decision.evaluated,
+                                         "tenant": request.tenant})
         return answer
 
     # -- response headers -------------------------------------------------
     def _on_response_headers(self, stream: _Stream, request: pb.ProcessingRequest) -> bytes:
-        if stream.pick is None:
-            return wire.CONTINUE_RESPONSE_HEADERS
         headers = wire.response_headers_of(request.response_headers)
-        served_by = wire.served_by(request) or stream.pick
         status = headers.get(":status", "")
+        stream.outcome = "served" if status.startswith("2") else "failed"
+        limits = self._limit_entries(stream.quota)
+        if stream.pick is None:
+            return wire.response_headers_answer(None, 0, 0.0, limits)
+        served_by = wire.served_by(request) or stream.pick
         self.metrics.count("responses", f"{status[:1]}xx" if status else "unknown")
         if status.startswith("2"):
             self._learn(stream, served_by, headers)
         if self.router.release(stream.key):
             self.metrics.count("released", "response")
         if not self.settings.response_headers:
-            return wire.CONTINUE_RESPONSE_HEADERS
-        return wire.response_headers_answer(served_by, stream.tokens, stream.predicted_s)
+            return wire.response_headers_answer(None, 0, 0.0, limits)
+        return wire.response_headers_answer(served_by, stream.tokens, stream.predicted_s, limits)
+
+    @staticmethod
+    def _limit_entries(outcome: QuotaOutcome | None) -> bytes:
+        """OpenAI's x-ratelimit-* headers as the quota check left them (none for a caller without a quota)."""
+        return wire.header_entries(rate_limit_headers(outcome)) if outcome is not None else b""
 
     def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str]) -> None:
         """Teach the router what the worker's answer says (its compute time and load report)."""

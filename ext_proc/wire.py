@@ -59,6 +59,7 @@ _T_RAW_VALUE = _tag(base_pb2.HeaderValue, "raw_value")
 _APPEND_ACTION = (varint(base_pb2.HeaderValueOption.DESCRIPTOR.fields_by_name["append_action"].number << 3)
                   + varint(_OVERWRITE))
 _T_SET_HEADERS = _tag(pb.HeaderMutation, "set_headers")
+_T_REMOVE_HEADERS = _tag(pb.HeaderMutation, "remove_headers")
 _T_HEADER_MUTATION = _tag(pb.CommonResponse, "header_mutation")
 _T_COMMON = _tag(pb.BodyResponse, "response")
 assert _T_COMMON == _tag(pb.HeadersResponse, "response")
@@ -80,9 +81,20 @@ def option(prefix: bytes, value: bytes) -> bytes:
     return len_field(_T_SET_HEADERS, len_field(_T_HEADER, header) + _APPEND_ACTION)
 
 
+def removal(name: str) -> bytes:
+    """One ``remove_headers`` entry (it may sit among ``set_headers`` entries: field order is free)."""
+    return len_field(_T_REMOVE_HEADERS, name.encode())
+
+
 def phase(tag: bytes, set_headers: bytes) -> bytes:
-    """A ProcessingResponse answering one phase (``tag``) with these ``set_headers`` entries."""
+    """A ProcessingResponse answering one phase (``tag``) with these ``set_headers`` (and ``remove_headers``)
+    entries."""
     return len_field(tag, len_field(_T_COMMON, len_field(_T_HEADER_MUTATION, set_headers)))
+
+
+def header_entries(headers: Sequence[tuple[str, str]]) -> bytes:
+    """``set_headers`` entries for these (name, value) pairs."""
+    return b"".join(option(option_prefix(name), value.encode()) for name, value in headers)
 
 
 def metadata(namespace: str, key: str, value: str) -> bytes:
@@ -233,25 +245,23 @@ def reply_response(reply: Reply) -> bytes:
     """An admit plugin's :class:`~ext_proc.model.Reply` as an ImmediateResponse in OpenAI's shape."""
     headers = (("retry-after", str(reply.retry_after_s)),) if reply.retry_after_s is not None else ()
     return immediate(reply.status, error_body(reply.message, reply.code, reply.type), f"inferlb_{reply.code}",
-                     *headers)
+                     *headers, *reply.headers)
 
 
-def request_headers_answer(strip: Sequence[str]) -> bytes:
-    """CONTINUE after the request headers, removing the client-sent pick headers ``strip`` names."""
-    if not strip:
-        return CONTINUE_HEADERS
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(remove_headers=strip)))).SerializeToString()
+def request_headers_answer(mutation: bytes) -> bytes:
+    """CONTINUE after the request headers, with ``mutation`` (entries from :func:`removal` and :func:`option`:
+    the client's pick headers and API key removed, the class its key allows set)."""
+    return phase(T_REQUEST_HEADERS, mutation) if mutation else CONTINUE_HEADERS
 
 
-def without_pick(headers_phase: bool, strip: Sequence[str], tokens: int | None = None) -> bytes:
-    """Fail open: no pick, Envoy's weighted least_request chooses. The client's pick stays removed."""
-    response = pb.ProcessingResponse()
-    mutation = (response.request_headers if headers_phase else response.request_body).response.header_mutation
+def without_pick(headers_phase: bool, mutation: bytes, tokens: int | None = None) -> bytes:
+    """Fail open: no pick, Envoy's weighted least_request chooses. ``mutation`` as for
+    :func:`request_headers_answer` (it is not yet applied when a GET is decided in the headers phase)."""
     if tokens is not None:
-        add_headers(mutation, ((TOKENS_HEADER, str(tokens)),))
-    mutation.remove_headers.extend(strip)
-    return response.SerializeToString()
+        mutation += option(P_TOKENS, str(tokens).encode())
+    if not mutation:
+        return CONTINUE_HEADERS if headers_phase else CONTINUE_BODY
+    return phase(T_REQUEST_HEADERS if headers_phase else T_REQUEST_BODY, mutation)
 
 
 class PickAnswers:
@@ -280,16 +290,27 @@ class PickAnswers:
         return cached
 
     def answer(self, headers_phase: bool, pick_option: bytes, pick_metadata: bytes, tokens: int,
-               predicted_s: float) -> bytes:
+               predicted_s: float, mutation: bytes = b"") -> bytes:
         return phase(T_REQUEST_HEADERS if headers_phase else T_REQUEST_BODY,
                      pick_option + option(P_TOKENS, str(tokens).encode())
-                     + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000))) + pick_metadata
+                     + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000)) + mutation) + pick_metadata
 
 
-def response_headers_answer(served_by: str, tokens: int, predicted_s: float) -> bytes:
-    """The response headers ext_proc adds for observability: who served, what was counted and predicted."""
-    return phase(T_RESPONSE_HEADERS, option(P_ENDPOINT, served_by.encode()) + option(P_COUNTED, str(tokens).encode())
-                 + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000)))
+def response_headers_answer(served_by: str | None, tokens: int, predicted_s: float, extra: bytes = b"") -> bytes:
+    """The response headers ext_proc adds: for observability, who served, what was counted and predicted
+    (``served_by`` None: none of those); ``extra`` entries (the x-ratelimit-* headers)."""
+    if served_by is not None:
+        extra = (option(P_ENDPOINT, served_by.encode()) + option(P_COUNTED, str(tokens).encode())
+                 + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000)) + extra)
+    return phase(T_RESPONSE_HEADERS, extra) if extra else CONTINUE_RESPONSE_HEADERS
+
+
+def header_value(message: pb.HttpHeaders, name: str) -> str | None:
+    """One request header's value, without parsing the others."""
+    for h in message.headers.headers:
+        if h.key == name:
+            return h.raw_value.decode("latin-1") if h.raw_value else h.value
+    return None
 
 
 @dataclass(slots=True)

@@ -91,6 +91,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     count = args.workers or os.cpu_count() or 1
     ports = StackPorts(args.listener_port, args.envoy_admin_port, args.xds_port, args.admin_port,
                        args.ext_proc_port, args.ext_proc_metrics_port)
+    if args.require_api_keys and args.dataplane != "envoy":
+        print("inferlb up: --require-api-keys needs --dataplane envoy (ext_proc checks the keys)", file=sys.stderr)
+        return 2
     lock = StackLock(data_dir)
     try:
         lock.acquire()
@@ -100,7 +103,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         components = stack_components(workers=count, base_port=args.base_port, data_dir=data_dir, ports=ports,
                                       precision=args.precision, config=args.config, dataplane=args.dataplane,
-                                      delta=args.delta, simulate=args.simulate)
+                                      delta=args.delta, simulate=args.simulate,
+                                      require_api_keys=args.require_api_keys, quota_store=args.quota_store)
         worker_urls = [f"http://127.0.0.1:{port}" for port in range(args.base_port, args.base_port + count)]
         links = stack_links(ports, args.dataplane, worker_urls, data_dir)
         plane = ", ext_proc and Envoy" if args.dataplane == "envoy" else " (it runs NGINX; no ext_proc, no Envoy)"
@@ -144,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", type=Path, help="models, logs, state (default $INFERLB_DATA_DIR or ./.inferlb)")
     up.add_argument("--config", type=Path, help="TOML file ([worker], [control_plane] and [ext_proc] tables)")
     up.add_argument("--delta", action="store_true", help="Envoy uses incremental (delta) xDS instead of SotW")
+    up.add_argument("--require-api-keys", action="store_true",
+                    help="refuse inference requests without a live API key (401 invalid_api_key); issue keys with "
+                    "POST /v1/api-keys on the admin API (the admin token is in the data dir)")
+    up.add_argument("--quota-store", metavar="URL",
+                    help="where ext_proc keeps the tenants' quota counters: memory (default, one replica) or a "
+                    "redis:// URL shared by several replicas")
     defaults = StackPorts()
     up.add_argument("--listener-port", type=int, default=defaults.listener,
                     help="Envoy's or NGINX's listener (default 10000)")

@@ -63,7 +63,7 @@ def worker_components(
 
 def control_plane_component(
     endpoints: list[str], data_dir: Path, ports: StackPorts, config: Path | None = None,
-    dataplane: str = "envoy",
+    dataplane: str = "envoy", require_api_keys: bool = False,
 ) -> Component:
     """In nginx mode the control plane runs nginx itself and is ready once nginx serves a validated config."""
     argv = [sys.executable, "-m", "control_plane", "--xds-port", str(ports.xds),
@@ -80,11 +80,13 @@ def control_plane_component(
         ready_url=f"http://127.0.0.1:{ports.control_plane_admin}/readyz",
         log_path=data_dir / "logs" / "control-plane.log",
         env=_env(data_dir, INFERLB_CP_DATA_PLANE__LISTENER_PORT=str(ports.listener),
-                 INFERLB_CP_DATA_PLANE__EXT_PROC_PORT=str(ports.ext_proc)),
+                 INFERLB_CP_DATA_PLANE__EXT_PROC_PORT=str(ports.ext_proc),
+                 **({"INFERLB_CP_DATA_PLANE__REQUIRE_API_KEYS": "true"} if require_api_keys else {})),
     )
 
 
-def ext_proc_component(data_dir: Path, ports: StackPorts, config: Path | None = None) -> Component:
+def ext_proc_component(data_dir: Path, ports: StackPorts, config: Path | None = None,
+                       require_api_keys: bool = False, quota_store: str | None = None) -> Component:
     argv = [sys.executable, "-m", "ext_proc", "--port", str(ports.ext_proc), "--metrics-port",
             str(ports.ext_proc_metrics), "--xds-port", str(ports.xds)]
     if config:
@@ -94,7 +96,8 @@ def ext_proc_component(data_dir: Path, ports: StackPorts, config: Path | None = 
         argv=argv,
         ready_url=f"http://127.0.0.1:{ports.ext_proc_metrics}/readyz",
         log_path=data_dir / "logs" / "ext_proc.log",
-        env=_env(data_dir),
+        env=_env(data_dir, **({"INFERLB_EXT_PROC_REQUIRE_API_KEYS": "true"} if require_api_keys else {}),
+                 **({"INFERLB_EXT_PROC_QUOTA_STORE": quota_store} if quota_store else {})),
     )
 
 
@@ -152,13 +155,15 @@ def envoy_component(data_dir: Path, ports: StackPorts, delta: bool) -> Component
 def stack_components(
     *, workers: int, base_port: int, data_dir: Path, ports: StackPorts, precision: str = "int8",
     config: Path | None = None, dataplane: str = "envoy", delta: bool = False, simulate: bool = False,
+    require_api_keys: bool = False, quota_store: str | None = None,
 ) -> list[Component]:
     """Readiness order: workers, control plane, then (Envoy mode) ext_proc and Envoy. Stop is the reverse."""
     if dataplane not in DATAPLANES:
         raise ValueError(f"dataplane must be one of {', '.join(DATAPLANES)}, got {dataplane!r}")
     endpoints = [f"127.0.0.1:{port}" for port in range(base_port, base_port + workers)]
     components = [*worker_components(workers, base_port, data_dir, precision, config, simulate),
-                  control_plane_component(endpoints, data_dir, ports, config, dataplane)]
+                  control_plane_component(endpoints, data_dir, ports, config, dataplane, require_api_keys)]
     if dataplane == "envoy":
-        components += [ext_proc_component(data_dir, ports, config), envoy_component(data_dir, ports, delta)]
+        components += [ext_proc_component(data_dir, ports, config, require_api_keys, quota_store),
+                       envoy_component(data_dir, ports, delta)]
     return components

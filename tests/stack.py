@@ -360,6 +360,10 @@ class SimWorker:
     def url(self) -> str:
         return f"http://{authority(self.host, self.port)}"
 
+    def metrics(self) -> dict[tuple[str, frozenset], float]:
+        with http() as client:
+            return prometheus_samples(client.get(f"{self.url}/metrics").text)
+
     def set_speed(self, speed: float) -> None:
         with http() as client:
             response = client.put(f"{self.url}/v1/simulation", json={"speed": speed})

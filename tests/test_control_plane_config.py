@@ -58,3 +58,10 @@ def test_the_command_line_explains_itself_and_refuses_bad_input() -> None:
     bad = subprocess.run([sys.executable, "-m", "control_plane", "--weight-policy", "nope"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+def test_requiring_api_keys_makes_envoy_fail_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that skipped ext_proc would skip the key check: with keys required Envoy never fails open."""
+    assert load_config(None, {}).data_plane.settings().ext_proc.failure_mode_allow is True
+    monkeypatch.setenv("INFERLB_CP_DATA_PLANE__REQUIRE_API_KEYS", "true")
+    assert load_config(None, {}).data_plane.settings().ext_proc.failure_mode_allow is False

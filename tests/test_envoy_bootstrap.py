@@ -380,7 +380,7 @@ def test_live_picks_fallback_body_limit_and_fail_open(tmp_path: Path) -> None:
 
 
 def test_live_fail_closed_without_ext_proc(tmp_path: Path) -> None:
-    """failure_mode_allow=False: no ext_proc, no traffic (500), rather than unpicked traffic."""
+    """failure_mode_allow=False: no ext_proc, no traffic (503, in OpenAI's shape), rather than unpicked traffic."""
     settings = DataPlaneSettings(
         listener_port=free_port(),
         ext_proc=ExtProcSettings(port=free_port(), failure_mode_allow=False),
@@ -391,4 +391,5 @@ def test_live_fail_closed_without_ext_proc(tmp_path: Path) -> None:
         config = static_bootstrap(state, admin_port=free_port())
         with running_envoy(config, tmp_path), httpx.Client(timeout=10, trust_env=False) as client:
             response = client.post(f"http://127.0.0.1:{settings.listener_port}/", content=b"{}")
-            assert response.status_code >= 500
+            assert response.status_code == 503, response.text
+            assert response.json()["error"]["type"] == "server_error"

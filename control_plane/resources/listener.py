@@ -18,6 +18,7 @@ from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_pb2
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
+from envoy.type.v3 import http_status_pb2
 
 from ..model import DataPlaneSettings
 from .local_reply import build_local_reply_config
@@ -45,6 +46,8 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
             timeout=duration(settings.request_timeout_s),
         ),
         failure_mode_allow=ext.failure_mode_allow,
+        # Failing closed (API keys required): 503, which clients retry, rather than Envoy's default 500.
+        status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
         message_timeout=duration(ext.message_timeout_ms / 1000),
         processing_mode=mode(
             request_header_mode=mode.SEND,
