@@ -26,6 +26,14 @@ called often (per request on the fast path): keep it O(1), and it should
 not raise (an exception reaches whoever called admit or notify; the waiter
 whose admit raised leaves the queue).
 
+The cost is the caller's choice, one unit per gate; ext_proc passes the
+request's exact token count. Tokens are known before routing (the
+predicted service seconds are per endpoint, and no endpoint is picked
+yet), they are the unit of the tenants' quotas, so a weight and a quota
+speak of the same thing, and they do not move with a learnt cost model a
+client could skew. A worker's time is about ``a + b * tokens``; a caller
+that wants the fixed part charged passes ``tokens + a / b``.
+
 Outcomes: ``ADMITTED``; ``TIMED_OUT`` (waited its maximum wait),
 ``QUEUE_FULL`` / ``TENANT_FULL`` (refused at the door) and ``DISPLACED``
 (evicted from a full queue because its tenant held the most). The caller
@@ -181,6 +189,9 @@ class FairGate:
                     max_wait_s: float | None) -> Outcome:
         now = self._clock()
         limit = self.settings.max_wait_s if max_wait_s is None else min(max_wait_s, self.settings.max_wait_s)
+        if not limit > 0:  # its budget is already spent (or NaN): no point queuing it
+            self._observer.left(tenant, priority, Outcome.TIMED_OUT.value, 0.0)
+            return Outcome.TIMED_OUT
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         entry = Entry(tenant, weight, priority, cost, now, limit, future)
         refusal = self._order.push(entry)

@@ -320,6 +320,17 @@ def test_a_wait_past_the_maximum_ends_timed_out() -> None:
     run(test)
 
 
+def test_a_request_whose_budget_is_spent_is_not_queued() -> None:
+    async def test() -> None:
+        h = Harness(free=0)
+        assert await h.request("late", "a", max_wait_s=0.0) is Outcome.TIMED_OUT
+        assert await h.request("nan", "a", max_wait_s=float("nan")) is Outcome.TIMED_OUT
+        assert h.gate.waiting == 0 and [how for _, _, how, _ in h.recorder.lefts] == ["timed_out"] * 2
+        await h.close()
+
+    run(test)
+
+
 def test_caps_refuse_and_a_full_queue_displaces_the_largest_tenant() -> None:
     async def test() -> None:
         h = Harness(free=0, max_queued=4, max_queued_per_tenant=3)
