@@ -1,10 +1,10 @@
 """Usage through the wire: a real control plane (``python -m control_plane``) scrapes ext_proc replicas'
 /metrics where their xDS streams say, and ``GET /v1/usage`` answers what they counted.
 
-The replicas are STAND-INS until ext_proc's request path reports usage: each is ext_proc's real
-``XdsClient`` (its node metadata names the metrics port, as ``python -m ext_proc`` does) and an HTTP
-server answering /metrics with a real ``ExtProcMetrics``' ``render()``, whose usage the test counts with
-``ExtProcMetrics.tenant_usage`` as the request path will. Shown: two replicas' usage summed and growing;
+The replicas are STAND-INS, so the counts are the test's own: each is ext_proc's real ``XdsClient`` (its
+node metadata names the metrics port, as ``python -m ext_proc`` does) and an HTTP server answering
+/metrics with a real ``ExtProcMetrics``' ``render()``, counted with ``ExtProcMetrics.tenant_usage`` as the
+request path does. The path through Envoy and a real ext_proc: tests/test_usage_envoy.py. Shown: two replicas' usage summed and growing;
 the usage survives a control-plane restart and
 the restarted one, reading the same counters again, counts nothing twice; two control-plane replicas on
 one PostgreSQL that both scrape one ext_proc count its usage once.
