@@ -50,6 +50,9 @@ class DataPlaneConfig(BaseModel):
     ext_proc_address: str = "127.0.0.1"
     ext_proc_port: int = Field(9002, ge=1, le=65535)
     ext_proc_message_timeout_ms: int = Field(200, ge=1, le=60000)
+    # How long ext_proc may ask Envoy to wait for one answer (override_message_timeout): it does so for a
+    # request queued in its fair admission queue. Keep it above ext_proc's fair_queue_max_wait_s.
+    ext_proc_max_message_timeout_ms: int = Field(10_000, ge=1, le=3_600_000)
     # false: Envoy gets no ext_proc filter (routing on the control plane's weights alone).
     ext_proc_enabled: bool = True
     # ext_proc checks API keys (its own require_api_keys refuses requests without one). With this on,
@@ -84,6 +87,7 @@ class DataPlaneConfig(BaseModel):
                 address=self.ext_proc_address,
                 port=self.ext_proc_port,
                 message_timeout_ms=self.ext_proc_message_timeout_ms,
+                max_message_timeout_ms=self.ext_proc_max_message_timeout_ms,
                 max_request_body_bytes=self.max_request_body_bytes,
                 failure_mode_allow=not self.require_api_keys,
                 enabled=self.ext_proc_enabled,

@@ -104,6 +104,7 @@ class ExtProcSettings:
     address: str = "127.0.0.1"
     port: int = 9002
     message_timeout_ms: int = 200
+    max_message_timeout_ms: int = 10_000  # the most ext_proc may extend one message's timeout to
     max_request_body_bytes: int = 4 * 1024 * 1024
     failure_mode_allow: bool = True
     # False: no ext_proc filter and no ext_proc cluster; Envoy routes on the weights alone

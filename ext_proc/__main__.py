@@ -21,6 +21,7 @@ from inferlb_runtime.pick_chain import PRESETS
 from inferlb_runtime.tls import PemFiles, load_pem_files
 
 from .config import ExtProcConfig, load_config
+from .fair_queue import GateSettings
 from .metrics import ExtProcMetrics, LiveState, create_http_app
 from .quota_stores import open_quota_store
 from .registry import PluginRegistry
@@ -67,7 +68,11 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
     servicer = ExtProcServicer.create(
         ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
                         response_headers=config.response_headers, max_body_bytes=config.max_body_bytes,
-                        require_api_keys=config.require_api_keys),
+                        require_api_keys=config.require_api_keys, fair_queue_depth=config.fair_queue_depth,
+                        fair_queue=GateSettings(max_wait_s=config.fair_queue_max_wait_s,
+                                                max_queued=config.fair_queue_max_queued,
+                                                max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,
+                                                aging_s=config.fair_queue_aging_s)),
         xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params), config.policy_allowlist,
         quotas)
     holder.append(servicer)
@@ -111,6 +116,8 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
     await health.stop()  # NOT_SERVING first
     await grpc_server.stop(SHUTDOWN_GRACE_S)
     await xds.stop()
+    if servicer.gate is not None:
+        await servicer.gate.aclose()
     await quotas.aclose()
     if http is not None:
         http.should_exit = True

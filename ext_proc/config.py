@@ -80,6 +80,16 @@ class ExtProcConfig(BaseSettings):
     inline_count_bytes: int = Field(16 * 1024, ge=0)
     # Observability headers on the response to the client (x-inferlb-endpoint, ...).
     response_headers: bool = True
+    # Fair admission: once this replica has fair_queue_depth requests in flight per routable endpoint (of
+    # its share of the fleet), new requests wait in ext_proc and leave in weighted fair order across tenants
+    # (their API keys' weights), best class first. 0: off. A wait over fair_queue_max_wait_s (or the
+    # request's budget) is a 429 overloaded, except for critical requests, which are routed anyway. The
+    # control plane's data_plane.ext_proc_max_message_timeout_ms must exceed the wait (Envoy's limit).
+    fair_queue_depth: int = Field(8, ge=0, le=10_000)
+    fair_queue_max_wait_s: float = Field(5.0, gt=0, le=3600)
+    fair_queue_max_queued: int = Field(10_000, ge=1)
+    fair_queue_max_queued_per_tenant: int = Field(1_000, ge=1)
+    fair_queue_aging_s: float = Field(2.0, gt=0)
     # Refuse requests without a known API key (401 invalid_api_key) instead of serving them as the anonymous
     # tenant. Set the control plane's data_plane.require_api_keys too, so Envoy never skips ext_proc.
     require_api_keys: bool = False

@@ -156,11 +156,16 @@ class FairGate:
         """Admissions released to waiters that have not resumed yet (``has_room``'s argument)."""
         return self._granted
 
+    def passes_now(self) -> bool:
+        """Whether :meth:`admit` would return at once (nothing waits and there is room): the caller may
+        have to warn its peer of a wait first (ext_proc extends Envoy's message timeout)."""
+        return not self._order and self._has_room(self._granted)
+
     async def admit(self, tenant: str, weight: float, priority: int, cost: float,
                     max_wait_s: float | None = None) -> Outcome:
         """Wait for this request's turn; ``cost`` in the queue's unit (tokens), ``max_wait_s`` at most
         the settings' (None: theirs). ``ValueError`` for a weight, cost or priority that means nothing."""
-        if not self._order and self._has_room(self._granted):  # the fast path: nothing waits, room
+        if self.passes_now():  # the fast path: nothing waits, room
             return Outcome.ADMITTED
         return await self._wait(tenant, weight, priority, cost, max_wait_s)
 

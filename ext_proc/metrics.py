@@ -19,7 +19,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -34,6 +34,7 @@ from .outstanding import OutstandingLoad
 PREFIX = "inferlb_ext_proc_"
 # A decision is tens of microseconds; a slow one (a huge body tokenised in a thread) tens of ms.
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -220,6 +221,17 @@ class ExtProcMetrics:
                                              "store (Redis).", buckets=STORE_BUCKETS, registry=r)
         for result in ("admitted", "limited", "failed_open", "failed_closed"):
             self.quota_decisions.labels(result=result)
+        # Fair admission (ext_proc/fair_queue.py); requests that passed at once are not reported.
+        self.fair_queue_depth = Gauge(f"{PREFIX}fair_queue_depth", "Requests waiting in the fair admission queue, "
+                                      "by tenant.", ["tenant"], registry=r)
+        self.fair_queue_waits = Histogram(f"{PREFIX}fair_queue_wait_seconds", "Time requests waited in the fair "
+                                          "admission queue, by how they left: admitted, timed_out, displaced "
+                                          "(evicted from a full queue), cancelled (the client left).", ["how"],
+                                          buckets=WAIT_BUCKETS, registry=r)
+        self.fair_queue_refusals = Counter(f"{PREFIX}fair_queue_refusals", "Requests refused at the fair queue's "
+                                           "door, by reason (queue_full, tenant_full).", ["reason"], registry=r)
+        self.task_failures = Counter(f"{PREFIX}task_failures", "Failures of supervised background tasks, by task "
+                                     "(each is logged and retried).", ["task"], registry=r)
         self.policy_failures = Counter(f"{PREFIX}policy_failures",
                                        "User pick-chain plugin calls contained (the chain went on without it, or "
                                        "it was over its time budget), by plugin and reason.", ["policy", "reason"],
@@ -269,6 +281,25 @@ class ExtProcMetrics:
 
     def policy_failure(self, policy: str, reason: str) -> None:
         self.policy_failures.labels(policy=policy, reason=reason).inc()
+
+    # GateObserver (only requests that wait are reported) and FailureObserver
+    def depth(self, tenant: str, queued: int) -> None:
+        if queued:
+            self.fair_queue_depth.labels(tenant=tenant).set(queued)
+        else:
+            try:
+                self.fair_queue_depth.remove(tenant)
+            except KeyError:
+                pass
+
+    def left(self, tenant: str, priority: int, how: str, waited_s: float) -> None:
+        self.fair_queue_waits.labels(how=how).observe(waited_s)
+
+    def rejected(self, tenant: str, priority: int, reason: str) -> None:
+        self.fair_queue_refusals.labels(reason=reason).inc()
+
+    def task_failed(self, task: str) -> None:
+        self.task_failures.labels(task=task).inc()
 
     # QuotaObserver (a quota check is one per request with a quota: prometheus_client's cost is fine there)
     def quota_decision(self, result: str) -> None:

@@ -52,6 +52,7 @@ from typing import AsyncIterator, Mapping, Sequence
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf import duration_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
 from inferlb_runtime.plugins import PolicyAllowlist
@@ -63,6 +64,7 @@ from .metrics import ExtProcMetrics, LiveState
 from .model import Decision, Reply, RequestView
 from .outstanding import OutstandingLoad
 from .quota import QuotaOutcome, QuotaStore, rate_limit_headers
+from .fair_queue import FairGate, GateSettings, Outcome
 from .quota_memory import MemoryQuotaStore
 from .quota_reply import quota_reply
 from .registry import PluginRegistry
@@ -84,6 +86,10 @@ class ServiceSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     # A request without a known API key is refused (401) rather than served as the anonymous tenant.
     require_api_keys: bool = False
+    # Fair admission: requests in flight per routable endpoint (of this replica's share) before new ones wait
+    # in the fair queue (0: no queue), and the queue's bounds.
+    fair_queue_depth: int = 0
+    fair_queue: GateSettings = GateSettings()
 
 
 def _same_spec(a: PickPolicySpec, b: PickPolicySpec) -> bool:
@@ -98,7 +104,7 @@ class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
     __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s", "priority", "deadline",
-                 "caller", "quota", "forwarded", "outcome", "mutation")
+                 "caller", "quota", "forwarded", "outcome", "mutation", "started")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -115,6 +121,7 @@ class _Stream:
         self.forwarded = False  # sent on to a worker (with or without a pick): its quota is used, not refunded
         self.outcome = "failed"  # for the tenant's usage: served, failed, rate_limited, shed, unauthenticated
         self.mutation = b""  # request-header entries a GET's decision still has to apply
+        self.started = 0.0  # time.perf_counter() the decision began (admission waits added: not counted)
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -134,6 +141,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.metrics = metrics
         self.quotas: QuotaStore = quotas if quotas is not None else MemoryQuotaStore()
         self._releases: set[asyncio.Task[None]] = set()  # quota leases being given back
+        self._capacity = 1  # requests this replica may have in flight before new ones queue (on_view)
+        self.gate: FairGate | None = None
+        if settings.fair_queue_depth:
+            self.gate = FairGate(self._has_room, settings.fair_queue, observer=metrics, failure_observer=metrics)
+        # Sent before a wait in the fair queue: Envoy would otherwise give up on the answer after its
+        # message_timeout (up to the filter's max_message_timeout, which the control plane sets).
+        self._extend_timeout = pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
+            seconds=math.ceil(settings.fair_queue.max_wait_s) + 1)).SerializeToString()
         self.policy_spec = policy_spec or PickPolicySpec(router.policy)
         self._rejected: PickPolicySpec | None = None  # the last spec EDS asked for that could not be built
         self.active_streams = 0
@@ -173,6 +188,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def on_view(self, view: FleetView) -> None:
         """A new view: forget departed endpoints' fits; switch the pick policy if EDS names another one
         (one this replica may load: else the refusal is logged once, counted, and the current one stays)."""
+        self._capacity = max(1, self.settings.fair_queue_depth * len(view.routable) // max(1, view.partition[1]))
+        if self.gate is not None:
+            self.gate.notify()  # endpoints may have joined
         self.router.cost.retain(set(view.by_id))
         self.metrics.retain_endpoints(view.by_id.keys())
         self.router.set_partition(*view.partition)
@@ -231,10 +249,24 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         continue
                     body = b"".join((*stream.body, message.body)) if stream.body else message.body
                     stream.body = []
-                    yield await self._on_body(stream, body)
+                    counted = await self._count_and_check(stream, body)
+                    if type(counted) is bytes:  # refused: over its quota
+                        yield counted
+                        continue
+                    gate = self.gate
+                    if gate is not None and not gate.passes_now():  # it will wait for its turn: tell Envoy
+                        yield self._extend_timeout
+                        refused = await self._wait_turn(gate, stream, counted)  # type: ignore[arg-type]
+                        if refused is not None:
+                            yield refused
+                            continue
+                    yield self._decide(stream, counted, False)  # type: ignore[arg-type]
                 elif kind == "request_headers":
                     answer = self._on_request_headers(stream, request.request_headers, raw)
-                    yield answer if answer is not None else await self._on_body(stream, b"", True)
+                    if answer is None:  # no body (GET): decide now (never queued: it costs nothing)
+                        counted = await self._count_and_check(stream, b"")
+                        answer = counted if type(counted) is bytes else self._decide(stream, counted, True)  # type: ignore[arg-type]
+                    yield answer
                 elif kind == "response_headers":
                     yield self._on_response_headers(stream, request)
                     return  # nothing else is configured to come: close now, do not wait for Envoy's half-close
@@ -248,9 +280,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self.active_streams -= 1
             if self.router.release(stream.key):  # idempotent: only a first release counts
                 self.metrics.count("released", how)
+                if self.gate is not None:
+                    self.gate.notify()
             self.metrics.tenant_usage(stream.caller.tenant, stream.outcome, stream.tokens)
             if stream.quota is not None and stream.quota.lease is not None:
                 self._give_back(stream.quota, stream.forwarded)
+
+    def _has_room(self, pending: int) -> bool:
+        """The fair gate's test: this replica's requests in flight, plus those admitted but not yet routed,
+        under its share of the fleet's depth."""
+        return len(self.router.outstanding) + pending < self._capacity
 
     def _give_back(self, outcome: QuotaOutcome, served: bool) -> None:
         """Return a quota lease (in-flight tokens; the minute's share too if the request never ran), off the
@@ -307,9 +346,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return wire.request_headers_answer(mutation)
 
     # -- admission and the decision ---------------------------------------
-    async def _on_body(self, stream: _Stream, body: bytes, headers_phase: bool = False) -> bytes:
-        """Count the tokens, check the caller's quota, then pick (or answer the request ourselves)."""
-        started = time.perf_counter()
+    async def _count_and_check(self, stream: _Stream, body: bytes) -> RequestView | bytes | None:
+        """Count the tokens (None: no need, nothing is routable and the caller has no quota), then check
+        the caller's quota: the counted request, or the answer refusing it."""
+        stream.started = time.perf_counter()
         view = self.source.view
         quota = stream.caller.quota
         request: RequestView | None = None
@@ -325,8 +365,26 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             refused = await self._check_quota(stream, request.tokens)
             if refused is not None:
                 return refused
-            started += time.perf_counter() - waited  # the decision time leaves the store's round trip out
-        return self._decide(stream, request, headers_phase, started)
+            stream.started += time.perf_counter() - waited  # the decision time leaves the round trip out
+        return request
+
+    async def _wait_turn(self, gate: FairGate, stream: _Stream, request: RequestView | None) -> bytes | None:
+        """The fleet is saturated: wait in the fair queue; None when admitted (or critical: routed anyway
+        after its wait), else the 429 that ends the request."""
+        waited = time.perf_counter()
+        budget = stream.deadline - waited if stream.deadline is not None else None
+        caller = stream.caller
+        outcome = await gate.admit(caller.tenant, caller.weight, int(stream.priority), max(stream.tokens, 1),
+                                   budget)
+        stream.started += time.perf_counter() - waited  # the decision time leaves the wait out
+        if outcome is Outcome.ADMITTED or stream.priority is Priority.CRITICAL:
+            return None
+        stream.outcome = "shed"
+        self.metrics.count("admit_replies", "overloaded")
+        return wire.reply_response(Reply(
+            429, "overloaded", f"The fleet is saturated and this request did not get its turn "
+            f"({outcome.value.replace('_', ' ')} after {time.perf_counter() - waited:.1f} s in the fair "
+            "queue). Retry later, or spread requests over time.", retry_after_s=1))
 
     async def _check_quota(self, stream: _Stream, tokens: int) -> bytes | None:
         """Take the tokens from the caller's quota; the 429 (or, with the store unreachable and failing
@@ -344,7 +402,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.metrics.count("admit_replies", "rate_limit_exceeded")
         return wire.reply_response(quota_reply(caller.tenant, outcome, tokens))
 
-    def _decide(self, stream: _Stream, request: RequestView | None, headers_phase: bool, started: float) -> bytes:
+    def _decide(self, stream: _Stream, request: RequestView | None, headers_phase: bool) -> bytes:
         mutation = stream.mutation if headers_phase else b""
         view = self.source.view
         if view is None:
@@ -373,7 +431,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return wire.without_pick(headers_phase, mutation, request.tokens)
         if type(outcome) is Decision:
             stream.forwarded = True
-            return self._with_pick(stream, view, request, outcome, headers_phase, started, mutation)
+            return self._with_pick(stream, view, request, outcome, headers_phase, mutation)
         if outcome is None:  # view.routable is not empty (checked above): the chain ranked none
             self.metrics.count("fallbacks", "no_decision")
             stream.forwarded = True
@@ -383,12 +441,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return wire.reply_response(outcome)
 
     def _with_pick(self, stream: _Stream, view: FleetView, request: RequestView, decision: Decision,
-                   headers_phase: bool, started: float, mutation: bytes) -> bytes:
+                   headers_phase: bool, mutation: bytes) -> bytes:
         value, pick_option, metadata = self._answers.pick(decision.ranked, view.pick_values)
         stream.pick, stream.predicted_s = decision.ranked[0], decision.predicted_s
         answer = self._answers.answer(headers_phase, pick_option, metadata, request.tokens, decision.predicted_s,
                                       mutation)
-        self.metrics.decision(decision.policy, stream.pick, time.perf_counter() - started)
+        self.metrics.decision(decision.policy, stream.pick, time.perf_counter() - stream.started)
         if request.budget_s is not None:
             self.metrics.count("deadlines", "met" if decision.completion_s <= request.budget_s else "missed")
         if log.isEnabledFor(logging.DEBUG):
@@ -413,6 +471,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self._learn(stream, served_by, headers)
         if self.router.release(stream.key):
             self.metrics.count("released", "response")
+            if self.gate is not None:
+                self.gate.notify()
         if not self.settings.response_headers:
             return wire.response_headers_answer(None, 0, 0.0, limits)
         return wire.response_headers_answer(served_by, stream.tokens, stream.predicted_s, limits)

@@ -180,3 +180,58 @@ def test_over_the_quota_is_429_with_openais_headers_and_nothing_routed(counter: 
             assert sample(samples, "inferlb_ext_proc_admit_replies_total", code="rate_limit_exceeded") == 1
 
     asyncio.run(scenario())
+
+
+# --- fair admission ----------------------------------------------------------------------------------
+
+FAIR = ServiceSettings(fair_queue_depth=1)  # one endpoint: a second request in flight waits its turn
+HEAVY, LIGHT = "ilb-test-key-heavy", "ilb-test-key-light"
+FAIR_TABLE = KeyTable.of("v1", [KeyEntry(hash_key(HEAVY), "key_heavy", "heavy"),
+                                KeyEntry(hash_key(LIGHT), "key_light", "light")])
+
+
+def test_a_saturated_fleet_admits_in_weighted_fair_order_not_arrival_order(counter: TokenCounter) -> None:
+    """heavy's first request holds the one endpoint; heavy queues two more, then light one. Each finish lets
+    one in: heavy's older one first (equal tags, earlier arrival), then light's before heavy's second
+    (its tenant's finish tag is smaller): fair order, where arrival order would serve light last. Envoy is
+    told to wait longer for the answer of a queued request (override_message_timeout) before it waits."""
+    async def start(h, key: str) -> grpc.aio.StreamStreamCall:  # type: ignore[no-untyped-def]
+        call = h.stub.Process()
+        await exchange(call, request_headers(bearer(key)))
+        await call.write(request_body(BODY))
+        return call
+
+    async def picked(call: grpc.aio.StreamStreamCall) -> None:
+        answer = await call.read()
+        assert answer.WhichOneof("response") == "request_body", answer
+
+    async def finish(call: grpc.aio.StreamStreamCall) -> None:
+        await exchange(call, response_headers({":status": "200"}))
+        await call.done_writing()
+
+    async def scenario() -> None:
+        async with serving(counter, static_view([A]), settings=FAIR) as h:
+            h.source.set_key_table(FAIR_TABLE)
+            outstanding = h.servicer.router.outstanding  # keyed by stream: 1, 2, ... in the order started
+            first = await start(h, HEAVY)
+            await picked(first)
+            waiting = [await start(h, HEAVY), await start(h, HEAVY), await start(h, LIGHT)]  # streams 2, 3, 4
+            for call in waiting:
+                extend = await call.read()
+                assert extend.WhichOneof("response") is None and extend.override_message_timeout.seconds > 1
+            await until(lambda: h.servicer.gate.waiting == 3, 5, "three requests to queue")
+            current, served = first, []
+            for _ in waiting:
+                await finish(current)
+                await until(lambda: any(k in outstanding for k in (2, 3, 4) if k not in served), 5,
+                            "the next request to be admitted")
+                key = next(k for k in (2, 3, 4) if k not in served and k in outstanding)
+                served.append(key)
+                current = waiting[key - 2]
+                await picked(current)
+            assert served == [2, 4, 3]  # heavy, light, heavy: arrival order would be 2, 3, 4
+            await finish(current)
+            samples = prometheus_samples(h.servicer.metrics.render().decode())
+            assert sample(samples, "inferlb_ext_proc_fair_queue_wait_seconds_count", how="admitted") == 3
+
+    asyncio.run(scenario())

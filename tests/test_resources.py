@@ -222,6 +222,9 @@ def test_ext_proc_filter(fail_open: bool) -> None:
     assert ext.grpc_service.timeout.ToTimedelta().total_seconds() >= settings.request_timeout_s
     assert ext.failure_mode_allow is fail_open
     assert ext.message_timeout.ToMilliseconds() == 150
+    # ext_proc may extend one answer's timeout this far (a request waiting in its fair queue).
+    assert ext.max_message_timeout.ToMilliseconds() == settings.ext_proc.max_message_timeout_ms == 10_000
+    assert ext.status_on_error.code == 503  # failing closed (API keys required): a retryable status
     assert ext.allow_mode_override is False
     assert list(ext.response_attributes) == ["upstream.address"]
     mode = processing_mode_pb2.ProcessingMode

@@ -49,6 +49,8 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
         # Failing closed (API keys required): 503, which clients retry, rather than Envoy's default 500.
         status_on_error=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
         message_timeout=duration(ext.message_timeout_ms / 1000),
+        # ext_proc extends it (override_message_timeout) for a request waiting in its fair admission queue.
+        max_message_timeout=duration(ext.max_message_timeout_ms / 1000),
         processing_mode=mode(
             request_header_mode=mode.SEND,
             request_body_mode=mode.BUFFERED,
