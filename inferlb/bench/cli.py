@@ -6,8 +6,9 @@ configuration) in ``run_command.py``; ``inferlb bench overload`` (issue 13's
 classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests against
 workers full of the largest ones, per worker scheduling option) in ``hogs.py``; the component benchmarks ``inferlb bench
 worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
-``ext_proc_bench/`` and ``quota`` (a tenant's key lookup and quota check) in
-``quota_bench.py``. Each keeps heavy imports (matplotlib, the model, the
+``ext_proc_bench/``, ``quota`` (a tenant's key lookup and quota check) in
+``quota_bench.py`` and ``quota-accuracy`` (tokens admitted per window against the
+quota, two ext_proc replicas on one Redis) in ``quota_accuracy.py``. Each keeps heavy imports (matplotlib, the model, the
 services) inside its ``main`` so that ``inferlb --help`` stays fast.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import hogs, load_command, overload, quota_bench, run_command, worker_bench
+from . import hogs, load_command, overload, quota_accuracy, quota_bench, run_command, worker_bench
 from .ext_proc_bench import command as ext_proc_command
 from .xds_bench import command as xds_command
 
@@ -65,3 +66,9 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     quota_bench.add_arguments(quota)
     quota.set_defaults(func=quota_bench.main)
+    accuracy = commands.add_parser("quota-accuracy", help="tokens admitted per minute against the quota: clients "
+                                   "of one tenant at 3x it, ext_proc replicas sharing one Redis",
+                                   description=quota_accuracy.DESCRIPTION,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    quota_accuracy.add_arguments(accuracy)
+    accuracy.set_defaults(func=quota_accuracy.main)

@@ -95,7 +95,7 @@ async def _measure(args: argparse.Namespace) -> list[Row]:
             Row("quota acquire + release, in process", await _cpu_per_call(check, n)),
             Row("key lookup + quota, in process", await _cpu_per_call(both, n))]
     if not args.no_redis:
-        async with _redis(args.redis_url) as url:
+        async with throwaway_redis(args.redis_url) as url:
             rows += await _measure_redis(url, table, keys, args.redis_calls)
     return rows
 
@@ -151,7 +151,7 @@ async def _redis_cpu_s(store) -> float:
 
 
 @contextlib.asynccontextmanager
-async def _redis(url: str | None) -> AsyncIterator[str]:
+async def throwaway_redis(url: str | None) -> AsyncIterator[str]:
     """``url``, or a throwaway redis-server on loopback (no persistence), stopped on the way out."""
     if url:
         yield url
@@ -185,12 +185,12 @@ async def _wait_for_ping(port: int, process: asyncio.subprocess.Process, timeout
     try:
         while True:
             if process.returncode is not None:
-                raise SystemExit(f"inferlb bench quota: redis-server exited with {process.returncode}")
+                raise SystemExit(f"inferlb bench: the throwaway redis-server exited with {process.returncode}")
             with contextlib.suppress(OSError, aioredis.RedisError):
                 if await client.ping():
                     return
             if time.monotonic() > deadline:
-                raise SystemExit(f"inferlb bench quota: redis-server did not answer PING in {timeout_s:g}s")
+                raise SystemExit(f"inferlb bench: the throwaway redis-server did not answer PING in {timeout_s:g}s")
             await asyncio.sleep(0.05)
     finally:
         await client.aclose()

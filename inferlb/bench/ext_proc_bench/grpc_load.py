@@ -26,16 +26,19 @@ PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 Messages = Sequence[tuple[bytes, bytes, bytes]]
 
 
+def header_map(pairs: Sequence[tuple[str, str]]) -> Any:
+    """An Envoy HeaderMap of (name, value) pairs, values as ``raw_value`` (as Envoy sends them)."""
+    from envoy.config.core.v3 import base_pb2
+
+    return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
+
+
 async def envoy_messages(client: httpx.AsyncClient, bodies: Sequence[bytes], worker_url: str,
                          authority: str) -> tuple[list[tuple[bytes, bytes, bytes]], httpx.Response]:
     """Per body, the three serialized ProcessingRequests Envoy sends: request headers, the buffered body,
     and the response headers that a real (simulated) worker answered for that very body. Also the
     worker's first answer (for the fake worker)."""
-    from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-
-    def header_map(pairs: Sequence[tuple[str, str]]) -> base_pb2.HeaderMap:
-        return base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
 
     out = []
     answers = []
