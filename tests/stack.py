@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
@@ -510,3 +510,50 @@ def running_ext_proc(
         ext_proc = ExtProc(proc, port, metrics_port)
         wait_for(lambda: _http_ok(f"{ext_proc.metrics_url}/readyz"), timeout, "ext_proc to become ready", [proc])
         yield ext_proc
+
+
+@dataclass
+class Gateway:
+    """The production stack on one machine: simulated workers, the control plane, ext_proc and Envoy."""
+
+    workers: list[SimWorker]
+    cp: ControlPlane
+    ext_proc: ExtProc
+    envoy: Envoy
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [self.cp.proc, self.ext_proc.proc, self.envoy.proc, *(w.proc for w in self.workers)]
+
+    @property
+    def ids(self) -> set[str]:
+        return {w.id for w in self.workers}
+
+    def url(self, path: str = "/v1/embeddings") -> str:
+        return f"http://127.0.0.1:{self.cp.listener_port}{path}"
+
+    def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
+        """The control plane's admin API, with its token."""
+        with http() as client:
+            return client.request(method, f"{self.cp.admin_url}{path}", json=body,
+                                  headers={"authorization": f"Bearer {self.cp.admin_token()}"})
+
+
+@contextmanager
+def running_gateway(log_dir: Path, *, workers: int = 1, worker_args: Sequence[str] = (), name: str = "gateway",
+                    cp_env: Mapping[str, str] | None = None,
+                    ext_proc_env: Mapping[str, str] | None = None) -> Iterator[Gateway]:
+    """Everything started in readiness order on free ports and stopped in reverse, even on failure; ready
+    once Envoy sees every worker healthy. ``name`` tells the Envoy's and ext_proc's node ids apart in logs."""
+    ext_proc_port = free_port()
+    with ExitStack() as stack:
+        sims = stack.enter_context(running_sim_workers(log_dir, workers, args=worker_args))
+        cp = stack.enter_context(running_control_plane(log_dir, endpoints=[w.id for w in sims],
+                                                       ext_proc_port=ext_proc_port, env=cp_env))
+        ext_proc = stack.enter_context(running_ext_proc(log_dir, xds_port=cp.xds_port, port=ext_proc_port,
+                                                        node_id=f"ext-proc-{name}", env=ext_proc_env))
+        envoy = stack.enter_context(running_envoy(log_dir, xds_port=cp.xds_port, node_id=f"envoy-{name}"))
+        gateway = Gateway(sims, cp, ext_proc, envoy)
+        wait_for(lambda: envoy.healthy_hosts() == gateway.ids, 30, "Envoy to see every worker healthy",
+                 gateway.procs)
+        yield gateway

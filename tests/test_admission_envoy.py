@@ -9,15 +9,12 @@ bad class header refused with a 400 before any worker sees it.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 
-from .conftest import free_port
-from .stack import http, running_control_plane, running_envoy, running_ext_proc, running_sim_workers, sample, wait_for
-from .test_pick_plugins_envoy import admin
+from .stack import http, running_gateway, sample, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -25,17 +22,8 @@ OBJECTIVE = "x-gateway-inference-objective"
 
 
 def test_sheddable_requests_are_shed_over_the_slo_and_critical_ones_served(tmp_path: Path) -> None:
-    ext_proc_port = free_port()
-    with ExitStack() as stack:
-        workers = stack.enter_context(running_sim_workers(tmp_path, 2))
-        cp = stack.enter_context(running_control_plane(tmp_path, endpoints=[w.id for w in workers],
-                                                       ext_proc_port=ext_proc_port))
-        ext_proc = stack.enter_context(running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port))
-        envoy = stack.enter_context(running_envoy(tmp_path, xds_port=cp.xds_port, node_id="envoy-admission"))
-        procs = [cp.proc, ext_proc.proc, envoy.proc, *(w.proc for w in workers)]
-        ids = {w.id for w in workers}
-        wait_for(lambda: envoy.healthy_hosts() == ids, 30, "Envoy to see every worker healthy", procs)
-        url = f"http://127.0.0.1:{cp.listener_port}/v1/embeddings"
+    with running_gateway(tmp_path, workers=2, name="admission") as gw:
+        ext_proc, procs, ids, url = gw.ext_proc, gw.procs, gw.ids, gw.url()
 
         def post(objective: str | None, **headers: str) -> httpx.Response:
             if objective is not None:
@@ -49,7 +37,7 @@ def test_sheddable_requests_are_shed_over_the_slo_and_critical_ones_served(tmp_p
 
         # The default SLO (2 s) is far above an idle fleet's predicted completion: sheddable is served.
         wait_for(served_by_ext_proc, 30, "a sheddable request to be served on an idle fleet", procs)
-        response = admin(cp, "PUT", "/v1/policy", {"pick": {"name": "least_completion_time",
+        response = gw.admin("PUT", "/v1/policy", {"pick": {"name": "least_completion_time",
                                                             "params": {"slo_ms": 0.001}}})
         assert response.status_code == 200, response.text
         switched = lambda: sample(ext_proc.metrics(), "inferlb_ext_proc_policy_switches_total",  # noqa: E731

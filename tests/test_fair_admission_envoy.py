@@ -11,14 +11,12 @@ The order among tenants is tested in process (tests/test_ext_proc_tenants.py); t
 from __future__ import annotations
 
 import threading
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
 import pytest
 
-from .conftest import free_port
-from .stack import http, running_control_plane, running_envoy, running_ext_proc, running_sim_workers, sample, wait_for
+from .stack import http, running_gateway, sample, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +24,8 @@ MESSAGE_TIMEOUT_S = 0.2  # the control plane's default ext_proc_message_timeout_
 
 
 def test_a_queued_request_waits_past_envoys_message_timeout_and_is_routed_by_ext_proc(tmp_path: Path) -> None:
-    ext_proc_port = free_port()
-    with ExitStack() as stack:
-        workers = stack.enter_context(running_sim_workers(tmp_path, 1))
-        cp = stack.enter_context(running_control_plane(tmp_path, endpoints=[w.id for w in workers],
-                                                       ext_proc_port=ext_proc_port))
-        ext_proc = stack.enter_context(running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port,
-                                                        env={"INFERLB_EXT_PROC_FAIR_QUEUE_DEPTH": "1"}))
-        envoy = stack.enter_context(running_envoy(tmp_path, xds_port=cp.xds_port, node_id="envoy-fair"))
-        procs = [cp.proc, ext_proc.proc, envoy.proc, *(w.proc for w in workers)]
-        worker = workers[0]
-        wait_for(lambda: envoy.healthy_hosts() == {worker.id}, 30, "Envoy to see the worker", procs)
-        url = f"http://127.0.0.1:{cp.listener_port}/v1/embeddings"
+    with running_gateway(tmp_path, name="fair", ext_proc_env={"INFERLB_EXT_PROC_FAIR_QUEUE_DEPTH": "1"}) as gw:
+        ext_proc, envoy, procs, worker, url = gw.ext_proc, gw.envoy, gw.procs, gw.workers[0], gw.url()
 
         def post(text: str) -> httpx.Response:
             with http() as client:

@@ -14,7 +14,6 @@ waited on); the burst takes seconds to drain, so they meet a full fleet.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -22,9 +21,7 @@ import pytest
 
 from inferlb_runtime.request_class import OBJECTIVE_HEADER
 
-from .conftest import free_port
-from .stack import http, running_control_plane, running_envoy, running_ext_proc, running_sim_workers, sample, wait_for
-from .test_pick_plugins_envoy import admin
+from .stack import http, running_gateway, sample, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,23 +33,15 @@ SLO_MS = 1500  # over one request's predicted cost, under the burst's
 
 
 def test_a_burst_on_slow_workers_sheds_sheddable_requests_and_serves_every_critical_one(tmp_path: Path) -> None:
-    ext_proc_port = free_port()
-    with ExitStack() as stack:
-        workers = stack.enter_context(running_sim_workers(
-            tmp_path, 2, args=("--sim-fixed-ms", "0", "--sim-per-token-us", str(PER_TOKEN_US))))
-        cp = stack.enter_context(running_control_plane(tmp_path, endpoints=[w.id for w in workers],
-                                                       ext_proc_port=ext_proc_port))
-        ext_proc = stack.enter_context(running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port))
-        envoy = stack.enter_context(running_envoy(tmp_path, xds_port=cp.xds_port, node_id="envoy-overload"))
-        procs = [cp.proc, ext_proc.proc, envoy.proc, *(w.proc for w in workers)]
-        ids = {w.id for w in workers}
-        wait_for(lambda: envoy.healthy_hosts() == ids, 30, "Envoy to see every worker healthy", procs)
-        response = admin(cp, "PUT", "/v1/policy", {"pick": {"name": "least_completion_time",
+    args = ("--sim-fixed-ms", "0", "--sim-per-token-us", str(PER_TOKEN_US))
+    with running_gateway(tmp_path, workers=2, worker_args=args, name="overload") as gw:
+        ext_proc, procs, ids = gw.ext_proc, gw.procs, gw.ids
+        response = gw.admin("PUT", "/v1/policy", {"pick": {"name": "least_completion_time",
                                                             "params": {"slo_ms": SLO_MS}}})
         assert response.status_code == 200, response.text
         wait_for(lambda: sample(ext_proc.metrics(), "inferlb_ext_proc_policy_switches_total", result="switched") == 1,
                  30, "ext_proc to take the SLO", procs)
-        url = f"http://127.0.0.1:{cp.listener_port}/v1/embeddings"
+        url = gw.url()
 
         def post(objective: str) -> httpx.Response:
             with http() as client:

@@ -9,24 +9,14 @@ both services), so the README cannot drift from what works. Where each request w
 from __future__ import annotations
 
 import re
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from .conftest import ROOT, free_port
-from .stack import (
-    ControlPlane,
-    http,
-    running_control_plane,
-    running_envoy,
-    running_ext_proc,
-    running_sim_workers,
-    sample,
-    wait_for,
-)
+from .conftest import ROOT
+from .stack import ControlPlane, http, running_gateway, sample, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,18 +46,9 @@ def test_a_readme_filter_and_scorer_steer_live_picks(tmp_path: Path) -> None:
     (package / f"{MODULE}.py").write_text(readme_plugins())
     allow = {"INFERLB_CP_ALLOWED_POLICY_MODULES": MODULE, "INFERLB_EXT_PROC_ALLOWED_POLICY_MODULES": MODULE,
              "PYTHONPATH": str(package)}
-    ext_proc_port = free_port()
-    with ExitStack() as stack:
-        workers = stack.enter_context(running_sim_workers(tmp_path, 3))
-        quarantined, heavy, light = (w.id for w in workers)
-        cp = stack.enter_context(running_control_plane(tmp_path, endpoints=[w.id for w in workers],
-                                                       ext_proc_port=ext_proc_port, env=allow))
-        ext_proc = stack.enter_context(running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port,
-                                                        env=allow))
-        envoy = stack.enter_context(running_envoy(tmp_path, xds_port=cp.xds_port, node_id="envoy-plugins"))
-        procs = [cp.proc, ext_proc.proc, envoy.proc, *(w.proc for w in workers)]
-        ids = {w.id for w in workers}
-        wait_for(lambda: envoy.healthy_hosts() == ids, 30, "Envoy to see every worker healthy", procs)
+    with running_gateway(tmp_path, workers=3, name="plugins", cp_env=allow, ext_proc_env=allow) as gw:
+        cp, ext_proc, procs, ids = gw.cp, gw.ext_proc, gw.procs, gw.ids
+        quarantined, heavy, light = (w.id for w in gw.workers)
 
         def picks() -> list[str | None]:
             with http() as client:

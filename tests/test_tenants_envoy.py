@@ -10,7 +10,6 @@ over it whatever the machine's speed (a minute is far longer than the test).
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import free_port
-from .stack import http, running_control_plane, running_envoy, running_ext_proc, running_sim_workers, sample, wait_for
-from .test_pick_plugins_envoy import admin
+from .stack import http, running_gateway, sample, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -40,18 +37,10 @@ def _worker_requests(workers: Any) -> float:
 
 
 def test_keys_and_quotas_through_envoy_as_the_openai_sdk_sees_them(tmp_path: Path) -> None:
-    ext_proc_port = free_port()
-    with ExitStack() as stack:
-        workers = stack.enter_context(running_sim_workers(tmp_path, 1))
-        cp = stack.enter_context(running_control_plane(tmp_path, endpoints=[w.id for w in workers],
-                                                       ext_proc_port=ext_proc_port, env=REQUIRE))
-        ext_proc = stack.enter_context(running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port,
-                                                        env=EXT_PROC_REQUIRE))
-        envoy = stack.enter_context(running_envoy(tmp_path, xds_port=cp.xds_port, node_id="envoy-tenants"))
-        procs = [cp.proc, ext_proc.proc, envoy.proc, *(w.proc for w in workers)]
-        wait_for(lambda: envoy.healthy_hosts() == {w.id for w in workers}, 30, "Envoy to see the worker", procs)
-        port = cp.listener_port
-        url = f"http://127.0.0.1:{port}/v1/embeddings"
+    with running_gateway(tmp_path, name="tenants", cp_env=REQUIRE, ext_proc_env=EXT_PROC_REQUIRE) as gw:
+        workers, ext_proc, procs, admin = gw.workers, gw.ext_proc, gw.procs, gw.admin
+        port = gw.cp.listener_port
+        url = gw.url()
         before = _worker_requests(workers)
 
         # No key: 401 at the gateway, in OpenAI's shape.
@@ -64,7 +53,7 @@ def test_keys_and_quotas_through_envoy_as_the_openai_sdk_sees_them(tmp_path: Pat
             _sdk(port, "ilb-not-a-key").embeddings.create(model="all-MiniLM-L6-v2", input="a sentence")
         assert refused.value.code == "invalid_api_key"
 
-        created = admin(cp, "POST", "/v1/api-keys", {"tenant": "acme", "requests_per_minute": 3,
+        created = admin("POST", "/v1/api-keys", {"tenant": "acme", "requests_per_minute": 3,
                                                      "tokens_per_minute": 100_000, "priority": "sheddable"})
         assert created.status_code == 201, created.text
         key, key_id = created.json()["key"], created.json()["id"]
@@ -109,7 +98,7 @@ def test_keys_and_quotas_through_envoy_as_the_openai_sdk_sees_them(tmp_path: Pat
         assert sample(metrics, "inferlb_ext_proc_auth_failures_total", reason="invalid_key") >= 1
 
         # Revoked: refused again once ext_proc has the new table.
-        assert admin(cp, "DELETE", f"/v1/api-keys/{key_id}").status_code == 200
+        assert admin("DELETE", f"/v1/api-keys/{key_id}").status_code == 200
 
         def refused_again() -> bool:
             try:

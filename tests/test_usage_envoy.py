@@ -8,41 +8,30 @@ scrape) and keeps them in its store; /v1/usage answers them, equal to what ext_p
 
 from __future__ import annotations
 
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
-from .stack import http, running_control_plane, running_envoy, running_ext_proc, running_sim_workers, sample, wait_for
-from .test_pick_plugins_envoy import admin
+from .stack import http, running_gateway, sample, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 def test_requests_through_envoy_are_read_back_from_v1_usage(tmp_path: Path) -> None:
-    ext_proc_port = free_port()
-    with ExitStack() as stack:
-        workers = stack.enter_context(running_sim_workers(tmp_path, 1))
-        cp = stack.enter_context(running_control_plane(tmp_path, endpoints=[w.id for w in workers],
-                                                       ext_proc_port=ext_proc_port))
-        ext_proc = stack.enter_context(running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port,
-                                                        node_id="ext-proc-usage"))
-        envoy = stack.enter_context(running_envoy(tmp_path, xds_port=cp.xds_port, node_id="envoy-usage"))
-        procs = [cp.proc, ext_proc.proc, envoy.proc, *(w.proc for w in workers)]
-        wait_for(lambda: envoy.healthy_hosts() == {w.id for w in workers}, 30, "Envoy to see the worker", procs)
+    with running_gateway(tmp_path, name="usage") as gw:
+        ext_proc, procs, admin = gw.ext_proc, gw.procs, gw.admin
 
-        created = admin(cp, "POST", "/v1/api-keys", {"tenant": "acme"})
+        created = admin("POST", "/v1/api-keys", {"tenant": "acme"})
         assert created.status_code == 201, created.text
         key = created.json()["key"]
 
         def key_acked() -> bool:
-            clients = admin(cp, "GET", "/v1/xds/clients").json()["clients"]
+            clients = admin("GET", "/v1/xds/clients").json()["clients"]
             keys = next((c["types"].get("keys") for c in clients if c["node_id"] == "ext-proc-usage"), None)
             return keys is not None and keys["in_sync"]
         wait_for(key_acked, 30, "ext_proc to ack the key table with the new key", procs)
 
-        url = f"http://127.0.0.1:{cp.listener_port}/v1/embeddings"
+        url = gw.url()
         with http() as client:
             for headers in [{"authorization": f"Bearer {key}"}] * 3 + [{}] * 2:
                 response = client.post(url, json={"input": "a sentence to bill"}, headers=headers, timeout=30)
@@ -59,7 +48,7 @@ def test_requests_through_envoy_are_read_back_from_v1_usage(tmp_path: Path) -> N
         assert acme_tokens and anonymous_tokens and acme_tokens == 3 * anonymous_tokens / 2
 
         def usage() -> dict:
-            response = admin(cp, "GET", "/v1/usage?granularity=minute")
+            response = admin("GET", "/v1/usage?granularity=minute")
             assert response.status_code == 200, response.text
             return {t["tenant"]: t["totals"] for t in response.json()["tenants"]}
 
@@ -69,5 +58,5 @@ def test_requests_through_envoy_are_read_back_from_v1_usage(tmp_path: Path) -> N
         zero = {"errors": 0, "sheds": 0, "rate_limited": 0, "unauthenticated": 0}
         assert totals["acme"] == {"requests": 3, "tokens": int(acme_tokens), **zero}
         assert totals["anonymous"] == {"requests": 2, "tokens": int(anonymous_tokens), **zero}
-        only = admin(cp, "GET", "/v1/usage?tenant=acme").json()["tenants"]
+        only = admin("GET", "/v1/usage?tenant=acme").json()["tenants"]
         assert [t["tenant"] for t in only] == ["acme"] and only[0]["totals"] == totals["acme"]
