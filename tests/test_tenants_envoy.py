@@ -5,11 +5,13 @@ the operator issues a key on the admin API, the control plane pushes its hash to
 ext_proc checks every request before routing it. The SDK must see our 401 as ``AuthenticationError`` and
 our 429 as ``RateLimitError``, with OpenAI's rate-limit headers; a refused request never reaches a worker.
 A quota is made certain rather than timed: two requests per minute, so the third within the minute is
-over it whatever the machine's speed (a minute is far longer than the test).
+over it whatever the machine's speed (a minute is far longer than the test). The second test keeps the
+counters in a real Redis (Debian's redis-server) and takes from them as another replica would.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,13 @@ import httpx
 import openai
 import pytest
 
+from ext_proc.quota_redis import RedisQuotaStore
+from inferlb_runtime.api_keys import Quota
+
 from .stack import http, running_gateway, sample, wait_for
 
 pytestmark = pytest.mark.slow
+pytest_plugins = ("tests.redis_server",)  # the redis_url fixture: Debian's redis-server, started for the suite
 
 REQUIRE = {"INFERLB_CP_DATA_PLANE__REQUIRE_API_KEYS": "true"}
 EXT_PROC_REQUIRE = {"INFERLB_EXT_PROC_REQUIRE_API_KEYS": "true"}
@@ -109,3 +115,39 @@ def test_keys_and_quotas_through_envoy_as_the_openai_sdk_sees_them(tmp_path: Pat
                 return False
             return False
         wait_for(refused_again, 30, "the revoked key to be refused", procs)
+
+
+def test_the_quota_lives_in_redis_and_binds_every_replica(tmp_path: Path, redis_url: str) -> None:
+    """ext_proc behind Envoy keeps the tenant's counters in a real Redis: what another replica (here a store
+    of the same code in the test) takes from the quota there, the request through Envoy no longer gets."""
+    store_env = {**EXT_PROC_REQUIRE, "INFERLB_EXT_PROC_QUOTA_STORE": redis_url}
+    with running_gateway(tmp_path, name="redis", cp_env=REQUIRE, ext_proc_env=store_env) as gw:
+        created = gw.admin("POST", "/v1/api-keys", {"tenant": "shared", "tokens_per_minute": 1000})
+        assert created.status_code == 201, created.text
+        key = created.json()["key"]
+        sdk = _sdk(gw.cp.listener_port, key)
+
+        def accepted() -> bool:
+            try:
+                sdk.embeddings.create(model="all-MiniLM-L6-v2", input="a sentence")
+            except openai.AuthenticationError:
+                return False
+            return True
+        wait_for(accepted, 30, "ext_proc to receive the new key", gw.procs)
+        raw = sdk.embeddings.with_raw_response.create(model="all-MiniLM-L6-v2", input="a sentence")
+        remaining = int(raw.headers["x-ratelimit-remaining-tokens"])
+        assert 0 < remaining < 1000
+
+        async def other_replica_takes_the_rest() -> None:
+            store = RedisQuotaStore.from_url(redis_url, timeout_s=5.0)
+            try:
+                outcome = await store.acquire("shared", Quota(tokens_per_minute=1000), remaining)
+                assert outcome.admitted, outcome
+            finally:
+                await store.aclose()
+        asyncio.run(other_replica_takes_the_rest())
+
+        with pytest.raises(openai.RateLimitError) as limited:
+            sdk.embeddings.create(model="all-MiniLM-L6-v2", input="a sentence")
+        assert limited.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+        assert sample(gw.ext_proc.metrics(), "inferlb_ext_proc_quota_decisions_total", result="limited") == 1
