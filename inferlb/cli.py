@@ -21,6 +21,12 @@ __all__ = ["StackPorts", "build_parser", "main"]
 CURL_EXAMPLE = """curl -s http://127.0.0.1:{port}/v1/embeddings \\
   -H 'Content-Type: application/json' \\
   -d '{{"model": "all-MiniLM-L6-v2", "input": ["The cat sits on the mat."]}}'"""
+# With --require-api-keys: issue a key on the admin API, then send it.
+KEY_EXAMPLE = """KEY=$(curl -s -XPOST http://127.0.0.1:{admin}/v1/api-keys -H "Authorization: Bearer $(cat {token})" \\
+  -H 'Content-Type: application/json' -d '{{"tenant": "me"}}' | python3 -c 'import json,sys; print(json.load(sys.stdin)["key"])')
+curl -s http://127.0.0.1:{port}/v1/embeddings -H "Authorization: Bearer $KEY" \\
+  -H 'Content-Type: application/json' \\
+  -d '{{"model": "all-MiniLM-L6-v2", "input": ["The cat sits on the mat."]}}'"""
 
 
 def default_data_dir() -> Path:
@@ -52,7 +58,8 @@ def stack_links(ports: StackPorts, dataplane: str, worker_urls: list[str], data_
     return links
 
 
-def summary(ports: StackPorts, dataplane: str, links: dict[str, str], data_dir: Path, simulate: bool) -> str:
+def summary(ports: StackPorts, dataplane: str, links: dict[str, str], data_dir: Path, simulate: bool,
+            require_api_keys: bool = False) -> str:
     """What `inferlb up` prints once everything is ready."""
     p = ports
     if dataplane == "envoy":
@@ -70,7 +77,9 @@ def summary(ports: StackPorts, dataplane: str, links: dict[str, str], data_dir: 
         f"  workers     {links['workers']}",
         f"  logs        {links['logs']}   (one file per component)",
         "",
-        "Try it:", CURL_EXAMPLE.format(port=p.listener),
+        "Try it (API keys required: 401 without one):" if require_api_keys else "Try it:",
+        KEY_EXAMPLE.format(admin=p.control_plane_admin, token=data_dir / "admin-token", port=p.listener)
+        if require_api_keys else CURL_EXAMPLE.format(port=p.listener),
         "",
         f"`inferlb status --data-dir {data_dir}` shows what runs. Ctrl-C stops everything.",
         "",
@@ -110,7 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         plane = ", ext_proc and Envoy" if args.dataplane == "envoy" else " (it runs NGINX; no ext_proc, no Envoy)"
         kind = "simulated worker(s)" if args.simulate else "worker(s)"
         print(f"starting {count} {kind}, the control plane{plane}; data dir {data_dir}", flush=True)
-        text = summary(ports, args.dataplane, links, data_dir, args.simulate)
+        text = summary(ports, args.dataplane, links, data_dir, args.simulate, args.require_api_keys)
         supervisor = StackSupervisor(components, text, StackInfo(data_dir, args.dataplane, links))
         return asyncio.run(supervisor.run())
     finally:

@@ -271,3 +271,19 @@ def test_up_serves_reference_embeddings_restarts_crashes_and_stops_cleanly(
             assert _gone(child)
         assert not _ready(port)
         assert "[stopped] envoy exit 0" in up.output()
+
+
+def test_up_with_required_api_keys_refuses_without_one_and_its_printed_commands_work(tmp_path: Path) -> None:
+    """`inferlb up --require-api-keys`: 401 without a key; the summary's commands issue one and use it."""
+    with inferlb_up(tmp_path / "data", tmp_path, "--simulate", "--require-api-keys") as up:
+        refused = httpx.post(up.url, json={"input": "hi"}, timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        script = up.output().split("Try it (API keys required: 401 without one):\n", 1)[1].split("\n\n", 1)[0]
+        assert "/v1/api-keys" in script
+
+        def run_script() -> str | None:  # retried: a fresh key reaches ext_proc with the next push (ms)
+            ran = subprocess.run(["bash", "-c", f"set -e -o pipefail\n{script}"], capture_output=True, text=True,
+                                 timeout=60, check=False, env={**os.environ, "NO_PROXY": "*"})
+            return ran.stdout if ran.returncode == 0 and '"embedding"' in ran.stdout else None
+        answer = wait_until(run_script, 30, "the printed commands to issue a key and embed with it")
+        assert json.loads(answer)["data"][0]["embedding"]
