@@ -62,7 +62,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
-AGING_S = 2.0  # as the workers' queue_order.AGING_S: a waiting band climbs one class per 2 s
+from inferlb_runtime.request_class import AGING_S, aged_rank
+
 BANDS = 3  # critical, standard, sheddable
 _COMPACT_SLACK = 64  # a heap is rebuilt when its stale items outnumber its live ones by more than this
 
@@ -284,9 +285,7 @@ class FairOrder(Generic[T]):
         for priority, band in enumerate(self._bands):
             if band.arrivals:
                 oldest = next(iter(band.arrivals))
-                rank = priority
-                if self.aging_s is not None:
-                    rank = max(0, priority - int(max(0.0, now - oldest.arrived) / self.aging_s))
+                rank = priority if self.aging_s is None else aged_rank(priority, oldest.arrived, now, self.aging_s)
                 key = (rank, oldest.seq)
                 if best is None or key < best_key:
                     best, best_key = band, key

@@ -60,9 +60,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
+from inferlb_runtime.request_class import AGING_S
 from inferlb_runtime.supervision import FailureObserver, Supervised
 
-from .fair_order import AGING_S, Entry, FairOrder, Refusal
+from .fair_order import Entry, FairOrder, Refusal
 
 log = logging.getLogger("inferlb.ext_proc.fair_queue")
 

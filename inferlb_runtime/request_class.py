@@ -35,6 +35,15 @@ class Priority(IntEnum):
 
 PRIORITIES: Mapping[str, Priority] = {p.name.lower(): p for p in Priority}
 
+# Aging, one rule wherever requests wait by class (a worker's queue, ext_proc's fair admission queue): a
+# class climbs one rank per AGING_S its longest-waiting request has waited, so no class starves.
+AGING_S = 2.0
+
+
+def aged_rank(priority: int, waiting_since: float, now: float, aging_s: float = AGING_S) -> int:
+    """``priority`` (0 best) improved by one per ``aging_s`` waited since ``waiting_since``, never below 0."""
+    return max(0, priority - int(max(0.0, now - waiting_since) / aging_s))
+
 
 class BadRequestHeader(ValueError):
     """A class or budget header with a value that means nothing; ``header`` names it."""

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import pytest
 
 from inferlb_runtime.request_class import Priority
+from inferlb_runtime.request_class import aged_rank as rank
 from workers.config import WorkerConfig, load_config
-from workers.queue_order import JobQueue, QueueOrder, Scheduling, rank
+from workers.queue_order import JobQueue, QueueOrder, Scheduling
 from workers.simulated import Simulation, SlotScheduler
 
 from .test_batcher import GatedEngine, _entered, make, open_gate, run, tokens

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, Iterable, Protocol, TypeVar
 
-AGING_S = 2.0  # the default: a waiting request climbs one class per 2 s
+from inferlb_runtime.request_class import AGING_S, aged_rank
+
 CLASSES = 3  # critical, standard, sheddable (inferlb_runtime.request_class.Priority)
 
 T = TypeVar("T")
@@ -54,11 +55,6 @@ class Scheduling(str, Enum):
 
 
 SCHEDULINGS = tuple(s.value for s in Scheduling)  # the names a configuration or a flag may give
-
-
-def rank(priority: int, waiting_since: float, now: float, aging_s: float = AGING_S) -> int:
-    """``priority`` (0 best) improved by one per ``aging_s`` waited since ``waiting_since``, never below 0."""
-    return max(0, priority - int(max(0.0, now - waiting_since) / aging_s))
 
 
 class Waiting(Protocol):
@@ -94,7 +90,7 @@ class QueueOrder:
     def class_key(self, *, priority: int, oldest_since: float, oldest_seq: int, now: float) -> tuple[int, int]:
         """Sorts the classes that have waiting work, smallest first: the class's rank with aging (from its
         longest-waiting request's ``oldest_since``), then that request's arrival number."""
-        return rank(priority, oldest_since, now, self.aging_s), oldest_seq
+        return aged_rank(priority, oldest_since, now, self.aging_s), oldest_seq
 
     def within_key(self, *, waiting_since: float, attained: float, seq: int) -> tuple[float, ...]:
         """Sorts the waiting requests of one class, smallest first."""
