@@ -4,8 +4,9 @@
 ``load_command.py``; ``inferlb bench run`` (a scenario against every data-plane
 configuration) in ``run_command.py``; ``inferlb bench overload`` (issue 13's
 classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests against
-workers full of the largest ones, per worker scheduling option) in ``hogs.py``; the component benchmarks ``inferlb bench
-worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
+workers full of the largest ones, per worker scheduling option) in ``hogs.py``; ``inferlb bench fair`` (issue 14's
+fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in ``fair.py``; the component
+benchmarks ``inferlb bench worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
 ``ext_proc_bench/``, ``quota`` (a tenant's key lookup and quota check) in
 ``quota_bench.py`` and ``quota-accuracy`` (tokens admitted per window against the
 quota, two ext_proc replicas on one Redis) in ``quota_accuracy.py``. Each keeps heavy imports (matplotlib, the model, the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import hogs, load_command, overload, quota_accuracy, quota_bench, run_command, worker_bench
+from . import fair, hogs, load_command, overload, quota_accuracy, quota_bench, run_command, worker_bench
 from .ext_proc_bench import command as ext_proc_command
 from .xds_bench import command as xds_command
 
@@ -41,6 +42,10 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                description=overload.DESCRIPTION)
     overload.add_arguments(over)
     over.set_defaults(func=overload.main)
+    fair_ = commands.add_parser("fair", help="two tenants at weights 1 and 3 on a saturated fleet, with ext_proc's "
+                                "fair queue and without", description=fair.DESCRIPTION)
+    fair.add_arguments(fair_)
+    fair_.set_defaults(func=fair.main)
     hog = commands.add_parser("hogs", help="one-sentence requests while every worker holds the largest requests",
                               description=hogs.DESCRIPTION)
     hogs.add_arguments(hog)
