@@ -381,10 +381,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return None
         stream.outcome = "shed"
         self.metrics.count("admit_replies", "overloaded")
-        return wire.reply_response(Reply(
+        return self._refusal(stream, Reply(
             429, "overloaded", f"The fleet is saturated and this request did not get its turn "
             f"({outcome.value.replace('_', ' ')} after {time.perf_counter() - waited:.1f} s in the fair "
             "queue). Retry later, or spread requests over time.", retry_after_s=1))
+
+    @staticmethod
+    def _refusal(stream: _Stream, reply: Reply) -> bytes:
+        """A reply to a request that passed its quota check: with the key's x-ratelimit-* headers too."""
+        if stream.quota is not None:
+            reply = dataclasses.replace(reply, headers=(*reply.headers, *rate_limit_headers(stream.quota)))
+        return wire.reply_response(reply)
 
     async def _check_quota(self, stream: _Stream, tokens: int) -> bytes | None:
         """Take the tokens from the caller's quota; the 429 (or, with the store unreachable and failing
@@ -438,7 +445,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return wire.without_pick(headers_phase, mutation, request.tokens)
         self.metrics.count("admit_replies", outcome.code)
         stream.outcome = "shed" if outcome.status == 429 else "failed"
-        return wire.reply_response(outcome)
+        return self._refusal(stream, outcome)
 
     def _with_pick(self, stream: _Stream, view: FleetView, request: RequestView, decision: Decision,
                    headers_phase: bool, mutation: bytes) -> bytes:

@@ -9,6 +9,7 @@ the response. The same path through real Envoy: tests/test_tenants_envoy.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import grpc
@@ -233,5 +234,24 @@ def test_a_saturated_fleet_admits_in_weighted_fair_order_not_arrival_order(count
             await finish(current)
             samples = prometheus_samples(h.servicer.metrics.render().decode())
             assert sample(samples, "inferlb_ext_proc_fair_queue_wait_seconds_count", how="admitted") == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_shed_request_of_a_key_with_limits_carries_the_rate_limit_headers_too(counter: TokenCounter) -> None:
+    """Every answer to a key with limits has OpenAI's x-ratelimit-* headers, a 429 overloaded included."""
+    busy = dataclasses.replace(A, telemetry={"inflight": 1000.0})  # seconds of predicted work: over any SLO
+    table = KeyTable.of("v1", [KeyEntry(hash_key(KEY), "key_acme", "acme", Priority.SHEDDABLE, 1.0,
+                                        Quota(requests_per_minute=5))])
+
+    async def scenario() -> None:
+        async with serving(counter, static_view([busy]), settings=REQUIRED) as h:
+            h.source.set_key_table(table)
+            call = h.stub.Process()
+            await exchange(call, request_headers(bearer(KEY)))
+            status, error, headers = error_of(await exchange(call, request_body(BODY)))
+            assert (status, error["code"]) == (429, "overloaded")
+            assert (headers["x-ratelimit-limit-requests"], headers["x-ratelimit-remaining-requests"]) == ("5", "4")
+            call.cancel()
 
     asyncio.run(scenario())
