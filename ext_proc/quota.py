@@ -58,6 +58,14 @@ class Lease:
     per_minute_request: bool
     in_flight: bool
 
+    def refunds(self, served: bool) -> bool:
+        """Whether a release of a request that was (not) ``served`` gives back the minute's request or tokens."""
+        return not served and (self.per_minute_tokens or self.per_minute_request)
+
+    def releases(self, served: bool) -> bool:
+        """Whether releasing it changes anything (tokens in flight to free, or a refund): else skip the call."""
+        return self.in_flight or self.refunds(served)
+
 
 @dataclass(frozen=True, slots=True)
 class QuotaOutcome:

@@ -220,9 +220,9 @@ class RedisQuotaStore:
         return outcome
 
     async def release(self, lease: Lease, served: bool) -> None:
-        refund = not served and (lease.per_minute_tokens or lease.per_minute_request)
-        if not lease.in_flight and not refund:
+        if not lease.releases(served):
             return
+        refund = lease.refunds(served)
         args = (f"{lease.id}:{lease.tokens}" if lease.in_flight else "", lease.tokens,
                 lease.window if refund else "", lease.tokens if refund and lease.per_minute_tokens else 0,
                 1 if refund and lease.per_minute_request else 0)

@@ -52,8 +52,8 @@ from typing import AsyncIterator, Mapping, Sequence
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from google.protobuf import duration_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf import duration_pb2
 
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.request_class import OBJECTIVE_HEADER, BadRequestHeader, Priority, parse_budget_s, parse_priority
@@ -62,9 +62,9 @@ from . import wire
 from .callers import ANONYMOUS, AUTHORIZATION_HEADER, Caller, identify
 from .metrics import ExtProcMetrics, LiveState
 from .model import Decision, Reply, RequestView
-from .outstanding import OutstandingLoad
-from .quota import QuotaOutcome, QuotaStore, rate_limit_headers
 from .fair_queue import FairGate, GateSettings, Outcome
+from .outstanding import OutstandingLoad
+from .quota import Lease, QuotaOutcome, QuotaStore, rate_limit_headers
 from .quota_memory import MemoryQuotaStore
 from .quota_reply import quota_reply
 from .registry import PluginRegistry
@@ -283,18 +283,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 if self.gate is not None:
                     self.gate.notify()
             self.metrics.tenant_usage(stream.caller.tenant, stream.outcome, stream.tokens)
-            if stream.quota is not None and stream.quota.lease is not None:
-                self._give_back(stream.quota, stream.forwarded)
+            lease = stream.quota.lease if stream.quota is not None else None
+            if lease is not None and lease.releases(stream.forwarded):  # usually not: nothing in flight to free
+                self._give_back(lease, stream.forwarded)
 
     def _has_room(self, pending: int) -> bool:
         """The fair gate's test: this replica's requests in flight, plus those admitted but not yet routed,
         under its share of the fleet's depth."""
         return len(self.router.outstanding) + pending < self._capacity
 
-    def _give_back(self, outcome: QuotaOutcome, served: bool) -> None:
+    def _give_back(self, lease: Lease, served: bool) -> None:
         """Return a quota lease (in-flight tokens; the minute's share too if the request never ran), off the
         stream: the stream may be ending by cancellation, and Redis is a round trip away."""
-        task = asyncio.get_running_loop().create_task(self.quotas.release(outcome.lease, served))
+        task = asyncio.get_running_loop().create_task(self.quotas.release(lease, served))
         self._releases.add(task)
         task.add_done_callback(self._released)
 
@@ -307,21 +308,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def _on_request_headers(self, stream: _Stream, message: pb.HttpHeaders, raw: bytes | None) -> bytes | None:
         """The answer to the request headers; None when no body is coming (a GET): decide now, with
         ``stream.mutation`` still to apply."""
-        authorization = raw is None or self._authorization_raw in raw
-        if authorization or any(name in raw for name in self._strip_raw):  # type: ignore[operator]
+        maybe_key = raw is None or self._authorization_raw in raw  # a prefilter: False means no key was sent
+        if maybe_key or any(name in raw for name in self._strip_raw):  # type: ignore[operator]
             keys = {h.key for h in message.headers.headers}
             # Pick headers a client sent, and its API key: the workers never see one.
             strip = [name for name in self._strip_all if name in keys]
         else:
             strip = []
         stream.headers = headers = wire.RequestHeaders(message, strip)
-        if authorization or self.settings.require_api_keys:
-            authorization = AUTHORIZATION_HEADER in strip
-            caller = identify(wire.header_value(message, AUTHORIZATION_HEADER) if authorization else None,
+        if maybe_key or self.settings.require_api_keys:
+            sent_key = AUTHORIZATION_HEADER in strip
+            caller = identify(wire.header_value(message, AUTHORIZATION_HEADER) if sent_key else None,
                               self.source.key_table, self.settings.require_api_keys)
             if type(caller) is not Caller:
                 self.metrics.count("auth_failures", "no_key_table" if caller.status == 503 else
-                                   "invalid_key" if authorization else "missing_key")
+                                   "invalid_key" if sent_key else "missing_key")
                 stream.outcome = "unauthenticated"
                 return wire.reply_response(caller)
             stream.caller = caller
