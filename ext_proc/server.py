@@ -256,16 +256,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     gate = self.gate
                     if gate is not None and not gate.passes_now():  # it will wait for its turn: tell Envoy
                         yield self._extend_timeout
-                        refused = await self._wait_turn(gate, stream, counted)  # type: ignore[arg-type]
+                        refused = await self._wait_turn(gate, stream)
                         if refused is not None:
                             yield refused
                             continue
-                    yield self._decide(stream, counted, False)  # type: ignore[arg-type]
+                    yield self._decide(stream, counted, False)
                 elif kind == "request_headers":
                     answer = self._on_request_headers(stream, request.request_headers, raw)
                     if answer is None:  # no body (GET): decide now (never queued: it costs nothing)
                         counted = await self._count_and_check(stream, b"")
-                        answer = counted if type(counted) is bytes else self._decide(stream, counted, True)  # type: ignore[arg-type]
+                        answer = counted if type(counted) is bytes else self._decide(stream, counted, True)
                     yield answer
                 elif kind == "response_headers":
                     yield self._on_response_headers(stream, request)
@@ -347,21 +347,17 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return wire.request_headers_answer(mutation)
 
     # -- admission and the decision ---------------------------------------
-    async def _count_and_check(self, stream: _Stream, body: bytes) -> RequestView | bytes | None:
-        """Count the tokens (None: no need, nothing is routable and the caller has no quota), then check
-        the caller's quota: the counted request, or the answer refusing it."""
+    async def _count_and_check(self, stream: _Stream, body: bytes) -> RequestView | bytes:
+        """Count the tokens, then check the caller's quota: the counted request, or the answer refusing it.
+        (Counted even when nothing is routable yet: the view may change while the request waits its turn,
+        and the tenant's usage counts its tokens whatever answers it.)"""
         stream.started = time.perf_counter()
-        view = self.source.view
-        quota = stream.caller.quota
-        request: RequestView | None = None
-        if (view is not None and view.routable) or not quota.unlimited:
-            if self.counter.needs_thread(body):  # a large body: counted off the event loop
-                request = await asyncio.to_thread(self.counter.count, body, stream.headers)
-            else:
-                request = self.counter.count(body, stream.headers)
-            stream.tokens = request.tokens
-        if not quota.unlimited:
-            assert request is not None
+        if self.counter.needs_thread(body):  # a large body: counted off the event loop
+            request = await asyncio.to_thread(self.counter.count, body, stream.headers)
+        else:
+            request = self.counter.count(body, stream.headers)
+        stream.tokens = request.tokens
+        if not stream.caller.quota.unlimited:
             waited = time.perf_counter()
             refused = await self._check_quota(stream, request.tokens)
             if refused is not None:
@@ -369,7 +365,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             stream.started += time.perf_counter() - waited  # the decision time leaves the round trip out
         return request
 
-    async def _wait_turn(self, gate: FairGate, stream: _Stream, request: RequestView | None) -> bytes | None:
+    async def _wait_turn(self, gate: FairGate, stream: _Stream) -> bytes | None:
         """The fleet is saturated: wait in the fair queue; None when admitted (or critical: routed anyway
         after its wait), else the 429 that ends the request."""
         waited = time.perf_counter()
@@ -410,7 +406,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.metrics.count("admit_replies", "rate_limit_exceeded")
         return wire.reply_response(quota_reply(caller.tenant, outcome, tokens))
 
-    def _decide(self, stream: _Stream, request: RequestView | None, headers_phase: bool) -> bytes:
+    def _decide(self, stream: _Stream, request: RequestView, headers_phase: bool) -> bytes:
         mutation = stream.mutation if headers_phase else b""
         view = self.source.view
         if view is None:
@@ -420,9 +416,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if not view.routable:
             self.metrics.count("fallbacks", "no_endpoint")
             return wire.NO_ENDPOINT
-        if request is None:
-            request = self.counter.count(b"", stream.headers)  # the view turned routable meanwhile
-            stream.tokens = request.tokens
         if request.estimated and stream.tokens:
             self.metrics.count("fallbacks", "estimated_tokens")
             self.metrics.count("parse_failures", "request_body")
