@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 from inferlb_runtime.hostport import endpoint_id
+from inferlb_runtime.model_routing import DEFAULT_POOL, Rollout
 
 EndpointSource = Literal["static", "api", "kubernetes", "dns"]
 
@@ -81,6 +82,11 @@ class Endpoint:
     pinned_weight: int | None = None
     telemetry: Telemetry | None = None
     consecutive_scrape_failures: int = 0
+    # What the worker serves, as its /metrics last said (kept through failed scrapes): model versions,
+    # the aliases they answer to, and the pool it belongs to (inferlb_runtime.model_routing).
+    models: tuple[str, ...] = ()
+    model_aliases: tuple[str, ...] = ()
+    pool: str = DEFAULT_POOL
 
     @property
     def id(self) -> str:
@@ -166,6 +172,7 @@ class FleetState:
     endpoints: tuple[Endpoint, ...] = ()
     settings: DataPlaneSettings = field(default_factory=DataPlaneSettings)
     pick_policy: PickPolicySpec = field(default_factory=PickPolicySpec)
+    rollouts: tuple[Rollout, ...] = ()  # the admin API's canary / blue-green splits, sorted by alias
 
     def endpoint(self, endpoint_id: str) -> Endpoint | None:
         return next((e for e in self.endpoints if e.id == endpoint_id), None)
