@@ -131,7 +131,8 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
                                          name="usage-ingest"))
     tasks = [*loops, asyncio.create_task(admin.serve(), name="admin-http")]
     discovery = start_discovery(config, controller, metrics, stored.overrides)
-    autoscaler = Autoscaler(config.autoscale.settings())  # computed when /metrics is scraped
+    # Computed when /metrics is scraped, per pool.
+    autoscaler = Autoscaler(config.autoscale.settings(), config.autoscale.pool_settings())
     metrics.register_autoscale(lambda: autoscaler.observe(controller.state.endpoints, time.monotonic(),
                                                           config.stale_after_s))
     stop = asyncio.Event()

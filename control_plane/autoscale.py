@@ -14,21 +14,30 @@ signal is the highest raw recommendation of the last
 ``downscale_window_s`` (the HorizontalPodAutoscaler's stabilisation window),
 so a lull of a few seconds does not tear down workers the next burst needs.
 
-The control plane exports the result as ``inferlb_autoscale_desired_replicas``
-for an HPA to consume through the external metrics API (docs/kubernetes.md).
+Each pool (``Endpoint.pool``: the group of workers that scale together, one
+Deployment each on Kubernetes) gets its own signal from its own endpoints, with
+its own settings (the global ones, or a pool's overrides), so a busy pool grows
+while an idle one shrinks. The control plane exports the result as
+``inferlb_autoscale_desired_replicas{pool=...}``: what an HPA consumes through the
+external metrics API (docs/kubernetes.md), and what ``inferlb up --autoscale``
+reconciles its local workers to (``inferlb/pool_scaler.py``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
+
+from inferlb_runtime.model_routing import DEFAULT_POOL
 
 from .model import Endpoint
 from .telemetry import is_stale
 
 DESIRED_REPLICAS_METRIC = "inferlb_autoscale_desired_replicas"
 ONGOING_REQUESTS_METRIC = "inferlb_fleet_ongoing_requests"
+RAW_DESIRED_REPLICAS_METRIC = "inferlb_autoscale_raw_desired_replicas"
+ROUTABLE_REPLICAS_METRIC = "inferlb_fleet_routable_replicas"
 
 
 @dataclass(frozen=True)
@@ -114,18 +123,38 @@ class AutoscaleSignal:
     desired_replicas: int
 
 
+def by_pool(endpoints: Iterable[Endpoint], pools: Iterable[str] = ()) -> dict[str, list[Endpoint]]:
+    """Endpoints grouped by pool; every pool in ``pools`` (the configured ones) is present, if empty."""
+    grouped: dict[str, list[Endpoint]] = {pool: [] for pool in pools}
+    for e in endpoints:
+        grouped.setdefault(e.pool, []).append(e)
+    return grouped
+
+
 class Autoscaler:
-    """Holds the smoothing state between rounds; ``observe`` once per scrape round (no I/O)."""
+    """Holds each pool's smoothing state between rounds; ``observe`` once per scrape round (no I/O).
 
-    def __init__(self, settings: AutoscaleSettings) -> None:
+    The signals cover the default pool, the configured pools and every pool that has an endpoint;
+    a pool that lost its last endpoint and is not configured is forgotten (its series vanish).
+    """
+
+    def __init__(self, settings: AutoscaleSettings, pools: Mapping[str, AutoscaleSettings] | None = None) -> None:
         self.settings = settings
-        self.state = AutoscaleState()
-        self.signal: AutoscaleSignal | None = None
+        self.pools = dict(pools or {})
+        self.states: dict[str, AutoscaleState] = {}
+        self.signals: dict[str, AutoscaleSignal] = {}
 
-    def observe(self, endpoints: Iterable[Endpoint], now: float, stale_after_s: float) -> AutoscaleSignal:
-        load = fleet_load(endpoints, now, stale_after_s)
-        raw = raw_desired_replicas(load, self.settings)
-        self.state = step(self.state, raw, now, self.settings)
-        desired = self.state.desired_replicas
-        self.signal = AutoscaleSignal(load, raw, raw if desired is None else desired)
-        return self.signal
+    def settings_for(self, pool: str) -> AutoscaleSettings:
+        return self.pools.get(pool, self.settings)
+
+    def observe(self, endpoints: Iterable[Endpoint], now: float, stale_after_s: float) -> dict[str, AutoscaleSignal]:
+        signals, states = {}, {}
+        for pool, members in sorted(by_pool(endpoints, (DEFAULT_POOL, *self.pools)).items()):
+            settings = self.settings_for(pool)
+            load = fleet_load(members, now, stale_after_s)
+            raw = raw_desired_replicas(load, settings)
+            states[pool] = step(self.states.get(pool, AutoscaleState()), raw, now, settings)
+            desired = states[pool].desired_replicas
+            signals[pool] = AutoscaleSignal(load, raw, raw if desired is None else desired)
+        self.states, self.signals = states, signals
+        return signals

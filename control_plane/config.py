@@ -7,6 +7,7 @@ at startup with the field's name, never half-applied.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal, Mapping
@@ -18,6 +19,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from inferlb_runtime.model_routing import POOL_PATTERN
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.settings import PolicyModules, load_layered
 from inferlb_runtime.tls import all_or_none
@@ -119,6 +121,19 @@ class XdsLimitsConfig(BaseModel):
     inbound_buffer: int = Field(8, ge=1, le=1024)  # requests buffered per stream before reading pauses
 
 
+class PoolAutoscaleConfig(BaseModel):
+    """One pool's overrides of the autoscaling settings ([control_plane.autoscale.pools.NAME]); unset: global."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_ongoing_requests: float | None = Field(None, gt=0)
+    min_replicas: int | None = Field(None, ge=0)
+    max_replicas: int | None = Field(None, ge=1)
+    target_p99_latency_s: float | None = Field(None, gt=0)
+    max_upscale_ratio: float | None = Field(None, ge=1)
+    downscale_window_s: float | None = Field(None, ge=0)
+
+
 class AutoscaleConfig(BaseModel):
     """The autoscaling signal ([control_plane.autoscale]; see ``autoscale.py``)."""
 
@@ -130,6 +145,9 @@ class AutoscaleConfig(BaseModel):
     target_p99_latency_s: float | None = Field(None, gt=0)
     max_upscale_ratio: float = Field(2.0, ge=1)
     downscale_window_s: float = Field(300.0, ge=0)
+    # Per pool (Endpoint.pool, a Kubernetes name): overrides of the settings above, e.g. its own bounds.
+    # Environment: INFERLB_CP_AUTOSCALE__POOLS__<NAME>__MAX_REPLICAS (names are lower-cased).
+    pools: dict[str, PoolAutoscaleConfig] = Field(default_factory=dict)
 
     @field_validator("max_replicas")
     @classmethod
@@ -138,8 +156,33 @@ class AutoscaleConfig(BaseModel):
             raise ValueError(f"max_replicas ({value}) is below min_replicas ({info.data['min_replicas']})")
         return value
 
+    @field_validator("pools", mode="before")
+    @classmethod
+    def _pool_names(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            for name in value:
+                if not isinstance(name, str) or not POOL_PATTERN.match(name):
+                    raise ValueError(f"pool name {name!r} must be a Kubernetes name: lower-case letters, digits "
+                                     "and '-', at most 63, starting and ending with a letter or digit")
+        return value
+
+    @model_validator(mode="after")
+    def _pool_settings_valid(self) -> "AutoscaleConfig":
+        self.pool_settings()  # a pool whose merged settings are nonsense (min above max) is refused here
+        return self
+
     def settings(self) -> AutoscaleSettings:
-        return AutoscaleSettings(**self.model_dump())
+        return AutoscaleSettings(**self.model_dump(exclude={"pools"}))
+
+    def pool_settings(self) -> dict[str, AutoscaleSettings]:
+        """Each configured pool's settings: the global ones with the pool's overrides."""
+        out = {}
+        for name, pool in self.pools.items():
+            try:
+                out[name] = dataclasses.replace(self.settings(), **pool.model_dump(exclude_none=True))
+            except ValueError as exc:
+                raise ValueError(f"autoscale pool {name!r}: {exc}") from None
+        return out
 
 
 class ControlPlaneConfig(BaseSettings):

@@ -9,13 +9,19 @@ with it instead of lingering at their last value.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .autoscale import DESIRED_REPLICAS_METRIC, ONGOING_REQUESTS_METRIC, AutoscaleSignal
+from .autoscale import (
+    DESIRED_REPLICAS_METRIC,
+    ONGOING_REQUESTS_METRIC,
+    RAW_DESIRED_REPLICAS_METRIC,
+    ROUTABLE_REPLICAS_METRIC,
+    AutoscaleSignal,
+)
 from .model import FleetState, Health
 from .type_urls import SHORT_NAMES
 
@@ -49,23 +55,30 @@ class _EndpointCollector(Collector):
 
 
 class _AutoscaleCollector(Collector):
-    """The autoscaling signal (``autoscale.py``); nothing until the first round computed one."""
+    """The autoscaling signal per pool (``autoscale.py``); nothing until the first round computed one."""
 
-    def __init__(self, signal: Callable[[], AutoscaleSignal | None]) -> None:
-        self._signal = signal
+    def __init__(self, signals: Callable[[], Mapping[str, AutoscaleSignal]]) -> None:
+        self._signals = signals
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        signal = self._signal()
-        if signal is None:
+        signals = self._signals()
+        if not signals:
             return
-        yield GaugeMetricFamily(DESIRED_REPLICAS_METRIC, "Workers the fleet should have (for an HPA: an External "
-                                "metric with target AverageValue 1).", value=signal.desired_replicas)
-        yield GaugeMetricFamily("inferlb_autoscale_raw_desired_replicas",
-                                "This round's recommendation before scale-down smoothing.",
-                                value=signal.raw_desired_replicas)
-        yield GaugeMetricFamily(ONGOING_REQUESTS_METRIC, "Requests in flight plus queued, all workers.",
-                                value=signal.load.ongoing_requests)
-        yield GaugeMetricFamily("inferlb_fleet_routable_replicas", "Routable workers.", value=signal.load.replicas)
+        families = (
+            (GaugeMetricFamily(DESIRED_REPLICAS_METRIC, "Workers the pool should have (for an HPA: an External "
+                               "metric selected by pool, target AverageValue 1).", labels=["pool"]),
+             lambda s: s.desired_replicas),
+            (GaugeMetricFamily(RAW_DESIRED_REPLICAS_METRIC, "This round's recommendation before scale-down "
+                               "smoothing, per pool.", labels=["pool"]), lambda s: s.raw_desired_replicas),
+            (GaugeMetricFamily(ONGOING_REQUESTS_METRIC, "Requests in flight plus queued, all workers of the pool.",
+                               labels=["pool"]), lambda s: s.load.ongoing_requests),
+            (GaugeMetricFamily(ROUTABLE_REPLICAS_METRIC, "Routable workers of the pool.", labels=["pool"]),
+             lambda s: s.load.replicas),
+        )
+        for family, value in families:
+            for pool, signal in sorted(signals.items()):
+                family.add_metric([pool], value(signal))
+            yield family
 
 
 class ControlPlaneMetrics:
@@ -227,8 +240,9 @@ class ControlPlaneMetrics:
     def task_failed(self, task: str) -> None:
         self.task_failures.labels(task=task).inc()
 
-    def register_autoscale(self, signal: Callable[[], AutoscaleSignal | None]) -> None:
-        self.registry.register(_AutoscaleCollector(signal))
+    def register_autoscale(self, signals: Callable[[], Mapping[str, AutoscaleSignal]]) -> None:
+        """Export ``signals()`` (pool -> signal), called at each collection."""
+        self.registry.register(_AutoscaleCollector(signals))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

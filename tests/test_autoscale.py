@@ -6,9 +6,13 @@ import math
 
 import pytest
 
+from pydantic import ValidationError
+
 from control_plane.autoscale import (
     DESIRED_REPLICAS_METRIC,
     ONGOING_REQUESTS_METRIC,
+    RAW_DESIRED_REPLICAS_METRIC,
+    ROUTABLE_REPLICAS_METRIC,
     Autoscaler,
     AutoscaleSettings,
     AutoscaleState,
@@ -17,6 +21,7 @@ from control_plane.autoscale import (
     raw_desired_replicas,
     step,
 )
+from control_plane.config import load_config
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model import Endpoint, FleetState, Health, Telemetry
 
@@ -24,8 +29,8 @@ from .stack import prometheus_samples, sample
 
 
 def _endpoint(port: int, inflight: float, queue: float, p99: float = 0.05, *, at: float = 100.0,
-              health: Health = Health.HEALTHY, draining: bool = False) -> Endpoint:
-    return Endpoint("10.0.0.1", port, health=health, draining=draining,
+              health: Health = Health.HEALTHY, draining: bool = False, pool: str = "default") -> Endpoint:
+    return Endpoint("10.0.0.1", port, health=health, draining=draining, pool=pool,
                     telemetry=Telemetry(observed_at=at, inflight=inflight, queue_depth=queue, latency_p99_s=p99))
 
 
@@ -86,15 +91,56 @@ def test_settings_refuse_nonsense() -> None:
         AutoscaleSettings(target_p99_latency_s=-1)
 
 
-def test_metrics_export_the_signal() -> None:
-    endpoints = (_endpoint(1, inflight=3, queue=2), _endpoint(2, inflight=1, queue=1))
+def test_metrics_export_the_signal_per_pool() -> None:
+    endpoints = (_endpoint(1, inflight=3, queue=2), _endpoint(2, inflight=1, queue=1),
+                 _endpoint(3, inflight=9, queue=0, pool="batch"))
     autoscaler = Autoscaler(AutoscaleSettings(target_ongoing_requests=2.0))
     metrics = ControlPlaneMetrics(lambda: FleetState(endpoints=endpoints))
+    metrics.register_autoscale(lambda: autoscaler.signals)
     samples = prometheus_samples(metrics.exposition().decode())
-    assert sample(samples, DESIRED_REPLICAS_METRIC) is None  # nothing observed yet: no made-up value
-    metrics.register_autoscale(lambda: autoscaler.signal)
+    assert sample(samples, DESIRED_REPLICAS_METRIC, pool="default") is None  # nothing observed yet: no made-up value
     autoscaler.observe(endpoints, now=100.5, stale_after_s=2.0)
     samples = prometheus_samples(metrics.exposition().decode())
-    assert sample(samples, ONGOING_REQUESTS_METRIC) == 7.0
-    assert sample(samples, DESIRED_REPLICAS_METRIC) == math.ceil(7.0 / 2.0)
-    assert sample(samples, "inferlb_fleet_routable_replicas") == 2.0
+    assert sample(samples, ONGOING_REQUESTS_METRIC, pool="default") == 7.0
+    assert sample(samples, DESIRED_REPLICAS_METRIC, pool="default") == math.ceil(7.0 / 2.0)
+    assert sample(samples, ROUTABLE_REPLICAS_METRIC, pool="default") == 2.0
+    assert sample(samples, ONGOING_REQUESTS_METRIC, pool="batch") == 9.0
+    assert sample(samples, DESIRED_REPLICAS_METRIC, pool="batch") == 5.0
+    assert sample(samples, RAW_DESIRED_REPLICAS_METRIC, pool="batch") == 5.0
+    assert sample(samples, ROUTABLE_REPLICAS_METRIC, pool="batch") == 1.0
+
+
+def test_each_pool_scales_on_its_own_load_settings_and_window() -> None:
+    """A busy pool grows while an idle one shrinks; a pool's overrides bound only that pool."""
+    autoscaler = Autoscaler(AutoscaleSettings(target_ongoing_requests=1.0, downscale_window_s=60.0),
+                            {"batch": AutoscaleSettings(target_ongoing_requests=1.0, min_replicas=2, max_replicas=3,
+                                                        downscale_window_s=0.0)})
+    busy = [_endpoint(1, inflight=6, queue=0), _endpoint(2, inflight=0, queue=0, pool="batch")]
+    signals = autoscaler.observe(busy, now=100.0, stale_after_s=2.0)
+    assert {p: s.desired_replicas for p, s in signals.items()} == {"default": 6, "batch": 2}  # batch: its min
+    flipped = [_endpoint(1, inflight=0, queue=0, at=110.0), _endpoint(2, inflight=50, queue=0, at=110.0, pool="batch")]
+    signals = autoscaler.observe(flipped, now=110.0, stale_after_s=2.0)
+    # default's window keeps 6 for a minute; batch goes up at once, to its own max
+    assert {p: (s.raw_desired_replicas, s.desired_replicas) for p, s in signals.items()} == \
+        {"default": (1, 6), "batch": (3, 3)}
+    quiet = [_endpoint(1, inflight=0, queue=0, at=120.0), _endpoint(2, inflight=0, queue=0, at=120.0, pool="batch")]
+    assert autoscaler.observe(quiet, now=120.0, stale_after_s=2.0)["batch"].desired_replicas == 2  # no window
+
+
+def test_configured_and_default_pools_have_a_signal_without_endpoints_and_gone_pools_are_forgotten() -> None:
+    autoscaler = Autoscaler(AutoscaleSettings(), {"batch": AutoscaleSettings(min_replicas=2, max_replicas=4)})
+    assert set(autoscaler.observe([_endpoint(1, 0, 0, pool="gpu")], now=100.0, stale_after_s=2.0)) == \
+        {"default", "batch", "gpu"}
+    signals = autoscaler.observe([], now=101.0, stale_after_s=2.0)
+    assert {p: s.desired_replicas for p, s in signals.items()} == {"default": 1, "batch": 2}
+
+
+def test_pool_overrides_from_the_config_merge_over_the_global_settings() -> None:
+    config = load_config(None, {"autoscale": {"max_replicas": 8, "target_ongoing_requests": 3.0,
+                                              "pools": {"batch": {"min_replicas": 2, "max_replicas": 4}}}})
+    assert config.autoscale.pool_settings() == {
+        "batch": AutoscaleSettings(target_ongoing_requests=3.0, min_replicas=2, max_replicas=4)}
+    with pytest.raises(ValidationError, match="must be a Kubernetes name"):
+        load_config(None, {"autoscale": {"pools": {"Batch_1": {}}}})
+    with pytest.raises(ValidationError, match="autoscale pool 'batch': need 0 <= min_replicas <= max_replicas"):
+        load_config(None, {"autoscale": {"max_replicas": 3, "pools": {"batch": {"min_replicas": 5}}}})
