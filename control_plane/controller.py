@@ -187,13 +187,19 @@ class Controller:
             )
             return dataclasses.replace(state, endpoints=endpoints)
 
-        before = {e.id: (e.health, e.computed_weight) for e in self.state.endpoints}
+        before = {e.id: e for e in self.state.endpoints}
         if self.ext_proc_replicas() != self.published_replicas:  # one joined or left: re-publish the list
             self._debouncer.mark()
         after = self.update(change)
         for e in after.endpoints:
-            if e.id in before and before[e.id][0] != e.health:
+            old = before.get(e.id)
+            if old is None:
+                continue
+            if old.health != e.health:
                 log.warning("endpoint health changed", extra={"endpoint": e.id, "health": e.health.value})
+            if (old.models, old.model_aliases, old.pool) != (e.models, e.model_aliases, e.pool):
+                log.info("endpoint models changed", extra={"endpoint": e.id, "models": list(e.models),
+                                                           "model_aliases": list(e.model_aliases), "pool": e.pool})
 
     @property
     def policy(self) -> WeightPolicy:

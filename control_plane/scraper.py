@@ -22,11 +22,13 @@ import httpx
 from inferlb_runtime.hostport import authority
 
 from .model import Endpoint, Health, Telemetry
-from .telemetry import Sample, parse_sample, smooth, window
+from .served_models import ServedModels, ServedModelsReading, read_served_models
+from .telemetry import Sample, parse_families, sample_from_families, smooth, window
 
 log = logging.getLogger(__name__)
 
-REFUSED_LOG_EVERY_S = 60.0  # per endpoint: a worker exporting NaN every scrape logs once a minute
+# per endpoint: a worker exporting NaN (or a bad model name) every scrape logs once a minute
+REFUSED_LOG_EVERY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,13 @@ class ScraperConfig:
 
 @dataclass(frozen=True)
 class ScrapeOk:
-    """A successful scrape. ``telemetry`` is None on the first one: a window needs two samples."""
+    """A successful scrape. ``telemetry`` is None on the first one: a window needs two samples.
+    ``served``: what the worker says it serves (None: not read, e.g. a result built by hand)."""
 
     at: float
     duration_s: float
     telemetry: Telemetry | None
+    served: ServedModels | None = None
 
 
 @dataclass(frozen=True)
@@ -157,13 +161,27 @@ async def fetch_metrics(client: httpx.AsyncClient, target: Target, config: Scrap
     return b"".join(chunks).decode(response.encoding or "utf-8", errors="replace")
 
 
+def parse_scrape(text: str, at: float) -> tuple[Sample, ServedModelsReading]:
+    """One worker's ``/metrics`` body, parsed once: its telemetry sample and what it serves."""
+    families = parse_families(text)
+    return sample_from_families(families, at), read_served_models(families)
+
+
+def _served_fields(e: Endpoint, served: ServedModels | None) -> dict[str, object]:
+    """The ``Endpoint`` fields ``served`` changes (none when it is None or says what ``e`` already has)."""
+    if served is None or (e.models, e.model_aliases, e.pool) == (served.models, served.aliases, served.pool):
+        return {}
+    return {"models": served.models, "model_aliases": served.aliases, "pool": served.pool}
+
+
 def apply_scrape_results(
     endpoints: tuple[Endpoint, ...], results: Mapping[str, ScrapeResult], *, unhealthy_after: int = 3
 ) -> tuple[Endpoint, ...]:
     """Fold one round of results into the endpoints (pure).
 
     A success makes the endpoint HEALTHY, resets its failure count and takes
-    the new telemetry (if the scrape produced one). A failure counts up;
+    the new telemetry (if the scrape produced one) and what the worker serves
+    (kept as it was through failures). A failure counts up;
     ``unhealthy_after`` in a row make it UNHEALTHY; fewer leave its health as
     it was. Endpoints without a result (added mid-round) are unchanged;
     results for endpoints no longer present are ignored.
@@ -177,6 +195,7 @@ def apply_scrape_results(
                 health=Health.HEALTHY,
                 consecutive_scrape_failures=0,
                 telemetry=result.telemetry if result.telemetry is not None else e.telemetry,
+                **_served_fields(e, result.served),
             )
         elif isinstance(result, ScrapeFailed):
             failures = e.consecutive_scrape_failures + 1
@@ -207,6 +226,7 @@ class Scraper:
         self._clock = clock
         self._samples: dict[str, Sample] = {}  # the last clean sample of each endpoint
         self._refused_logged: dict[str, float] = {}  # endpoint id -> when its refused values were last logged
+        self._names_logged: dict[str, float] = {}  # endpoint id -> when its invalid model names were last logged
         self._known: set[str] = set()  # the endpoints of the last round
 
     def make_client(self) -> httpx.AsyncClient:
@@ -224,7 +244,7 @@ class Scraper:
             text = await fetch_metrics(client, endpoint, self.config)
             at = self._clock()
             # Parsing a few MiB of text takes milliseconds of CPU: off the loop, so xDS and ext_proc wait on nothing.
-            sample = await asyncio.to_thread(parse_sample, text, at)
+            sample, reading = await asyncio.to_thread(parse_scrape, text, at)
         except ScrapeError as exc:
             at = self._clock()
             return ScrapeFailed(at=at, duration_s=at - started, error=str(exc))
@@ -236,9 +256,12 @@ class Scraper:
             log.exception("scrape crashed", extra={"endpoint": endpoint.id})
             at = self._clock()
             return ScrapeFailed(at=at, duration_s=at - started, error=f"{type(exc).__name__}: {exc}")
+        served = reading.served
+        if reading.problems:
+            self._note_bad_names(endpoint.id, reading.problems, at)
         if sample.refused:  # the worker answered (healthy), but this sample is not averaged in
             self._note_refused(endpoint.id, sample.refused, at)
-            return ScrapeOk(at=at, duration_s=at - started, telemetry=None)
+            return ScrapeOk(at=at, duration_s=at - started, telemetry=None, served=served)
         if endpoint.id not in self._known:  # removed while this scrape ran: remember nothing of it
             return ScrapeOk(at=at, duration_s=at - started, telemetry=None)
         prev = self._samples.get(endpoint.id)
@@ -246,7 +269,14 @@ class Scraper:
         telemetry = None
         if prev is not None and sample.at > prev.at:
             telemetry = smooth(endpoint.telemetry, window(prev, sample), sample.at, self.config.alpha)
-        return ScrapeOk(at=at, duration_s=at - started, telemetry=telemetry)
+        return ScrapeOk(at=at, duration_s=at - started, telemetry=telemetry, served=served)
+
+    def _note_bad_names(self, endpoint_id: str, problems: tuple[str, ...], at: float) -> None:
+        last = self._names_logged.get(endpoint_id)
+        if last is None or at - last >= REFUSED_LOG_EVERY_S:
+            self._names_logged[endpoint_id] = at
+            log.warning("invalid model or pool names in /metrics ignored",
+                        extra={"endpoint": endpoint_id, "problems": list(problems)})
 
     def _note_refused(self, endpoint_id: str, count: int, at: float) -> None:
         self._observer.samples_refused(endpoint_id, count)
@@ -262,6 +292,7 @@ class Scraper:
         for gone in self._known - live:
             self._samples.pop(gone, None)
             self._refused_logged.pop(gone, None)
+            self._names_logged.pop(gone, None)
             self._observer.endpoint_gone(gone)
         self._known = live
 

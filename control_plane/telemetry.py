@@ -116,7 +116,8 @@ class WindowFigures:
 # -- 1. parse -----------------------------------------------------------------
 
 
-def _families(text: str) -> dict[str, Metric]:
+def parse_families(text: str) -> dict[str, Metric]:
+    """A ``/metrics`` body's families by name; ``ValueError`` if it is not the Prometheus text format."""
     try:
         return {family.name: family for family in text_string_to_metric_families(text)}
     except Exception as exc:  # the parser raises several types on garbage; all mean the same here
@@ -168,14 +169,18 @@ def _histogram(families: Mapping[str, Metric], name: str) -> HistogramSample:
 
 
 def parse_sample(text: str, at: float) -> Sample:
-    """Parse one ``/metrics`` body of an inferlb worker.
+    """Parse one ``/metrics`` body of an inferlb worker (see :func:`sample_from_families`)."""
+    return sample_from_families(parse_families(text), at)
+
+
+def sample_from_families(families: Mapping[str, Metric], at: float) -> Sample:
+    """The telemetry sample in one inferlb worker's parsed ``/metrics``.
 
     Raises ``ValueError`` naming the missing metrics if the text is not an
     inferlb worker's (another service on that port, a proxy's error page), so
     the scraper reports the target instead of crashing or inventing zeros.
     NaN and infinite values are skipped line by line and counted in ``refused``.
     """
-    families = _families(text)
     missing = [name for name in REQUIRED_FAMILIES if name not in families]
     if missing:
         raise ValueError(f"not an inferlb worker's /metrics: missing {', '.join(missing)}")

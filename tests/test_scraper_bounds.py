@@ -144,13 +144,13 @@ def test_a_slow_endpoint_does_not_hold_back_the_round() -> None:
 
 def test_parsing_runs_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[int] = []
-    real = scraper_module.parse_sample
+    real = scraper_module.parse_scrape
 
     def recording(text: str, at: float):  # type: ignore[no-untyped-def]
         threads.append(threading.get_ident())
         return real(text, at)
 
-    monkeypatch.setattr(scraper_module, "parse_sample", recording)
+    monkeypatch.setattr(scraper_module, "parse_scrape", recording)
 
     async def main() -> None:
         port = free_port()
