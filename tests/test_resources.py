@@ -43,6 +43,7 @@ from control_plane.model import (
     Telemetry,
 )
 from control_plane.resources.struct_wire import encode_struct
+from inferlb_runtime.model_routing import Rollout, decode_rollouts, encode_rollouts
 from control_plane.resources import (
     build_ext_proc_cluster,
     build_listener,
@@ -402,7 +403,7 @@ def test_endpoint_metadata_for_ext_proc() -> None:
 
     pinned = meta[8102]
     assert pinned == {"id": "127.0.0.1:8102", "weight": 7, "computed_weight": 200, "pinned_weight": 7,
-                      "draining": True, "health": "unknown"}
+                      "draining": True, "health": "unknown", "models": [], "model_aliases": [], "pool": "default"}
 
     scraped = meta[8101]
     assert scraped["pinned_weight"] is None and scraped["weight"] == 200 and scraped["health"] == "healthy"
@@ -416,7 +417,8 @@ def test_endpoint_metadata_for_ext_proc() -> None:
 def test_pick_policy_on_the_locality_for_ext_proc() -> None:
     (locality,) = build_load_assignment(fleet(), ext_proc=True).endpoints
     meta = json_format.MessageToDict(locality.metadata.filter_metadata["inferlb"])
-    assert meta == {"pick_policy": {"name": "least_completion_time", "params": {"alpha": 0.25, "use_queue": True}}}
+    assert meta == {"pick_policy": {"name": "least_completion_time", "params": {"alpha": 0.25, "use_queue": True}},
+                    "rollouts": {}}
 
 
 def test_empty_fleet_still_carries_the_pick_policy() -> None:
@@ -589,3 +591,69 @@ def test_the_rich_eds_lists_the_ext_proc_replicas_sorted_and_the_lean_one_never(
     assert not lean.HasField("metadata")
     (none,) = build_load_assignment(fleet(), ext_proc=True).endpoints
     assert "ext_proc_replicas" not in none.metadata.filter_metadata["inferlb"].fields
+
+
+# --- models, pools and rollouts (issue 15) ---------------------------------------------------------------
+
+INT8, FP32, FAMILY = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32", "all-MiniLM-L6-v2"
+CANARY = Rollout(FAMILY, ((INT8, 90.0), (FP32, 10.0)), "api_key")
+BLUE_GREEN = Rollout("embed", ((FP32, 100.0),))
+
+
+def _with_models(state: FleetState) -> FleetState:
+    """``state`` whose workers serve versions (one serves nothing it declares) in two pools, with rollouts."""
+    served = [dict(models=(FP32, INT8), model_aliases=(FAMILY, "sentence-transformers/" + FAMILY)),
+              dict(models=(INT8,), model_aliases=(FAMILY,), pool="cpu-small"), {}, dict(models=(FP32,))]
+    endpoints = tuple(replace(e, **changes) for e, changes in zip(state.endpoints, served))  # type: ignore[arg-type]
+    return replace(state, endpoints=endpoints, rollouts=(CANARY, BLUE_GREEN))
+
+
+def test_the_rich_eds_says_what_each_endpoint_serves_and_carries_the_rollouts() -> None:
+    state = _with_models(fleet())
+    meta = {p: json_format.MessageToDict(e.metadata.filter_metadata["inferlb"])
+            for p, e in _by_port(state, ext_proc=True).items()}
+    assert {p: (m["models"], m["model_aliases"], m["pool"]) for p, m in meta.items()} == {
+        8103: ([FP32, INT8], [FAMILY, "sentence-transformers/" + FAMILY], "default"),
+        8101: ([INT8], [FAMILY], "cpu-small"),
+        8102: ([], [], "default"),
+        8104: ([FP32], [], "default"),
+    }
+    assert meta[8101]["cpu_utilization"] == pytest.approx(TELEMETRY.cpu_utilization)  # telemetry still there
+    assert all(endpoint_metadata(e) == meta[e.port] for e in state.endpoints if e.telemetry is None)
+    (locality,) = build_load_assignment(state, ext_proc=True).endpoints
+    rollouts = json_format.MessageToDict(locality.metadata.filter_metadata["inferlb"])["rollouts"]
+    assert rollouts == encode_rollouts([BLUE_GREEN, CANARY])
+    assert decode_rollouts(rollouts) == {FAMILY: CANARY, "embed": BLUE_GREEN}
+
+
+def test_models_and_rollouts_leave_the_envoys_eds_byte_for_byte_as_it_was() -> None:
+    state = fleet()
+    assert encode_load_assignment(_with_models(state)) == encode_load_assignment(state)
+    assert _serialized(build_resources(_with_models(state))) == _serialized(build_resources(state))
+    assert encode_load_assignment(_with_models(state), ext_proc=True) != encode_load_assignment(state, ext_proc=True)
+
+
+def test_the_rich_eds_with_models_is_canonical_and_deterministic() -> None:
+    state = _with_models(fleet())
+    data = encode_load_assignment(state, ext_proc=True)
+    assert endpoint_pb2.ClusterLoadAssignment.FromString(data).SerializeToString(deterministic=True) == data
+    memo = resources.EndpointMemo()
+    assert encode_load_assignment(state, ext_proc=True, memo=memo) == data
+    assert encode_load_assignment(state, ext_proc=True, memo=memo) == data
+    shuffled = replace(state, endpoints=tuple(reversed(state.endpoints)), rollouts=tuple(reversed(state.rollouts)))
+    assert encode_load_assignment(shuffled, ext_proc=True) == data
+
+
+def test_a_change_of_models_or_rollouts_makes_a_new_rich_eds_even_through_the_memo() -> None:
+    state = _with_models(fleet())
+    memo = resources.EndpointMemo()
+    before = encode_load_assignment(state, ext_proc=True, memo=memo)
+    endpoints = list(state.endpoints)
+    endpoints[2] = replace(endpoints[2], models=(INT8,))
+    changed = replace(state, endpoints=tuple(endpoints))
+    after = encode_load_assignment(changed, ext_proc=True, memo=memo)
+    assert after != before and after == encode_load_assignment(changed, ext_proc=True)
+    rolled_back = replace(state, rollouts=(Rollout(FAMILY, ((INT8, 100.0),)), BLUE_GREEN))
+    assert encode_load_assignment(rolled_back, ext_proc=True, memo=memo) != before
+    assert encode_load_assignment(rolled_back, ext_proc=True, memo=memo) == \
+        encode_load_assignment(rolled_back, ext_proc=True)

@@ -16,14 +16,18 @@ Two variants of the ClusterLoadAssignment, for two node groups:
 
   * ``LbEndpoint.metadata.filter_metadata["inferlb"]``: ``id``, ``weight``
     (effective), ``computed_weight``, ``pinned_weight`` (or null),
-    ``draining``, ``health`` (the ``Health`` value string) and, when the
+    ``draining``, ``health`` (the ``Health`` value string), what the worker
+    serves (``models``, ``model_aliases``: lists of strings, sorted; ``pool``:
+    a string; ``inferlb_runtime.model_routing``) and, when the
     endpoint has been scraped, every ``Telemetry`` field except
     ``observed_at`` under its own name (flat, next to the keys above),
     rounded to ``TELEMETRY_SIGNIFICANT_DIGITS`` significant digits.
   * ``LocalityLbEndpoints.metadata.filter_metadata["inferlb"]["pick_policy"]``:
     ``{"name": ..., "params": {...}}``; and ``["ext_proc_replicas"]``: the
     sorted node ids of the connected ext_proc replicas (absent when none), so
-    each can find its index and partition a large fleet with the others.
+    each can find its index and partition a large fleet with the others; and
+    ``["rollouts"]``: the admin API's rollouts, ``encode_rollouts(state.rollouts)``
+    (``{}`` when there are none).
 
 The ClusterLoadAssignment is assembled from pre-encoded pieces, not built as
 messages: with 10,000 endpoints, building an LbEndpoint and its metadata
@@ -46,6 +50,8 @@ from google.protobuf.message import Message
 
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
+
+from inferlb_runtime.model_routing import ALIASES_KEY, MODELS_KEY, POOL_KEY, ROLLOUTS_KEY, encode_rollouts
 
 from ..model import MAX_WEIGHT, Endpoint, FleetState, Health, Telemetry
 from .messages import socket_address, u32
@@ -128,7 +134,9 @@ _QUANTISE_FORMAT = " ".join([f"%.{TELEMETRY_SIGNIFICANT_DIGITS}g"] * len(_TELEME
 # rest: the entries of the base keys, and the entries of the telemetry keys in
 # runs. Interleaved by _PLAN, they are the Struct's entries sorted by key (the
 # canonical order), and every key here is a prefix of no other.
-_BASE_KEYS = ("id", "weight", "computed_weight", "pinned_weight", "draining", "health")
+_BASE_KEYS = ("id", "weight", "computed_weight", "pinned_weight", "draining", "health", MODELS_KEY, ALIASES_KEY,
+              POOL_KEY)
+_LIST_KEYS = frozenset({MODELS_KEY, ALIASES_KEY})  # tuples in the values (hashable, cached), lists in JSON
 _BASE_ORDER = tuple(sorted(range(len(_BASE_KEYS)), key=_BASE_KEYS.__getitem__))
 
 
@@ -162,7 +170,7 @@ def _quantised_text(telemetry: Telemetry | None) -> str | None:
 
 def _base_values(endpoint: Endpoint) -> tuple[object, ...]:
     return (endpoint.id, endpoint.effective_weight, endpoint.computed_weight, endpoint.pinned_weight,
-            endpoint.draining, endpoint.health.value)
+            endpoint.draining, endpoint.health.value, endpoint.models, endpoint.model_aliases, endpoint.pool)
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
@@ -203,7 +211,8 @@ def _rich_entry(address: str, port: int, health: int, weight: int, metadata: byt
 
 def endpoint_metadata(endpoint: Endpoint) -> dict[str, object]:
     """What ext_proc knows about one endpoint (see the module docstring); telemetry is quantised."""
-    meta = dict(zip(_BASE_KEYS, _base_values(endpoint)))
+    meta = {key: list(value) if key in _LIST_KEYS else value  # type: ignore[call-overload]
+            for key, value in zip(_BASE_KEYS, _base_values(endpoint))}
     text = _quantised_text(endpoint.telemetry)
     if text is not None:
         meta.update(zip(_TELEMETRY_NAMES, map(float, text.split())))
@@ -224,9 +233,10 @@ def _lb_endpoint_entry(endpoint: Endpoint, rich: bool) -> bytes:
     return _rich_entry(endpoint.address, endpoint.port, health, weight, _endpoint_rich_metadata(endpoint))
 
 
-def _pick_policy_metadata(state: FleetState, replicas: Sequence[str] = ()) -> bytes:
+def _locality_metadata(state: FleetState, replicas: Sequence[str] = ()) -> bytes:
     policy: dict[str, object] = {"pick_policy": {"name": state.pick_policy.name,
-                                                 "params": dict(state.pick_policy.params)}}
+                                                 "params": dict(state.pick_policy.params)},
+                                 ROLLOUTS_KEY: encode_rollouts(state.rollouts)}
     if replicas:
         policy["ext_proc_replicas"] = list(replicas)
     return len_field(_LOCALITY_METADATA, _encode_metadata(encode_struct(policy)))
@@ -290,7 +300,7 @@ def encode_load_assignment(state: FleetState, *, ext_proc: bool = False, memo: E
     """
     entries = _sorted_entries(state.endpoints, ext_proc, memo)
     if ext_proc:
-        entries.append(_pick_policy_metadata(state, sorted(replicas)))
+        entries.append(_locality_metadata(state, sorted(replicas)))
     locality = b"".join(entries)
     return b"".join((_cla_head(state.settings.workers_cluster), _CLA_ENDPOINTS, varint(len(locality)), locality,
                      _CLA_POLICY))
@@ -307,7 +317,7 @@ def build_load_assignment(state: FleetState, *, ext_proc: bool = False,
                           replicas: Sequence[str] = ()) -> endpoint_pb2.ClusterLoadAssignment:
     """Every endpoint with its weight and health, in one locality, sorted by id.
 
-    The ext_proc variant adds each endpoint's metadata and the pick policy on the locality.
+    The ext_proc variant adds each endpoint's metadata, and the pick policy and rollouts on the locality.
     """
     return endpoint_pb2.ClusterLoadAssignment.FromString(encode_load_assignment(state, ext_proc=ext_proc,
                                                                                 replicas=replicas))
