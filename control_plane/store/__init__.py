@@ -8,6 +8,7 @@
 * ``opening``: which one, from the ``store`` setting (``INFERLB_STORE``).
 * ``follow``: apply the changes other replicas make.
 * ``usage``: usage for billing, its table and the SQL both stores run.
+* ``rollouts``: model rollouts, their table and row codec (both stores).
 """
 
 from .base import (
@@ -18,6 +19,7 @@ from .base import (
     StoreChange,
     StoredApiKey,
     StoredPolicy,
+    StoredRollout,
     StoreError,
     live_key_entries,
     reconcile,
@@ -44,6 +46,7 @@ __all__ = [
     "StoreError",
     "StoredApiKey",
     "StoredPolicy",
+    "StoredRollout",
     "live_key_entries",
     "open_store",
     "reconcile",

@@ -2,8 +2,9 @@
 
 What is stored is what an operator set through the admin API, nothing the
 control plane can recompute: endpoints registered by API, pins, drains, the
-active weight and pick policies with their parameters, and API keys (their
-hash only: the key itself is shown once, when it is created, and never kept).
+active weight and pick policies with their parameters, API keys (their
+hash only: the key itself is shown once, when it is created, and never kept),
+and model rollouts with the split each replaced (what a rollback puts back).
 
 Two ways the stored state reaches the controller's ``FleetState``:
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 from inferlb_runtime.api_keys import KeyEntry, Quota
+from inferlb_runtime.model_routing import Rollout
 from inferlb_runtime.request_class import PRIORITIES, Priority
 
 from ..model import Endpoint, FleetState, PickPolicySpec
@@ -114,6 +116,19 @@ def _limit(value: Any) -> int | None:
 
 
 @dataclass(frozen=True)
+class StoredRollout:
+    """An alias's rollout and the split it replaced: a rollback makes ``previous`` current and keeps the
+    other as its previous, so a rollback of a rollback goes forward again."""
+
+    rollout: Rollout
+    previous: Rollout | None = None
+
+    @property
+    def alias(self) -> str:
+        return self.rollout.alias
+
+
+@dataclass(frozen=True)
 class OperatorState:
     """Everything in the store, as plain values."""
 
@@ -122,6 +137,11 @@ class OperatorState:
     weight_policy: StoredPolicy | None = None
     pick_policy: StoredPolicy | None = None
     api_keys: tuple[StoredApiKey, ...] = ()  # live and revoked, in creation order
+    rollouts: tuple[StoredRollout, ...] = ()  # by alias
+
+    def current_rollouts(self) -> tuple[Rollout, ...]:
+        """What ``FleetState.rollouts`` holds: the current splits, by alias."""
+        return tuple(sorted((r.rollout for r in self.rollouts), key=lambda r: r.alias))
 
 
 @dataclass(frozen=True)
@@ -173,6 +193,12 @@ class OperatorStore(Protocol):
         """Mark the key revoked at ``at`` (a key already revoked keeps its first time); the record, or
         None if there is no such key."""
         ...
+
+    async def set_rollout(self, record: StoredRollout) -> None:
+        """Create or replace the alias's rollout (and the split a rollback would put back)."""
+        ...
+
+    async def delete_rollout(self, alias: str) -> None: ...
 
     async def record_usage(self, rows: Sequence[UsageRow]) -> None:
         """Upsert usage observations, keeping each counter's larger value (idempotent; ``usage``)."""
@@ -238,8 +264,8 @@ def restore(state: FleetState, stored: OperatorState) -> FleetState:
 
     API endpoints already listed statically stay static. Overrides of endpoints
     that no longer exist (a static endpoint dropped from the config) are kept
-    in the database, logged, and not applied. The pick policy is applied here;
-    the weight policy is the controller's (see ``__main__``).
+    in the database, logged, and not applied. The pick policy and the rollouts
+    are applied here; the weight policy is the controller's (see ``__main__``).
     """
     endpoints = list(state.endpoints)
     known = {e.id for e in endpoints}
@@ -263,7 +289,7 @@ def restore(state: FleetState, stored: OperatorState) -> FleetState:
     if stored.pick_policy is not None:
         state = dataclasses.replace(state, pick_policy=PickPolicySpec(stored.pick_policy.name,
                                                                       dict(stored.pick_policy.params)))
-    return state
+    return dataclasses.replace(state, rollouts=stored.current_rollouts())
 
 
 def reconcile(state: FleetState, stored: OperatorState,
@@ -276,7 +302,7 @@ def reconcile(state: FleetState, stored: OperatorState,
     ``removing`` (a local deregistration under way) keep their drain. Every
     other endpoint takes its pin and drain from the store (none stored: none),
     and keeps its telemetry, health and computed weight. Registrations new to
-    this replica are appended. The pick policy is applied as in :func:`restore`.
+    this replica are appended. The pick policy and the rollouts are applied as in :func:`restore`.
     """
     registered = [Endpoint(address=a, port=p, source="api") for a, p in stored.endpoints]
     registered_ids = {e.id for e in registered}
@@ -301,4 +327,7 @@ def reconcile(state: FleetState, stored: OperatorState,
         pick = PickPolicySpec(stored.pick_policy.name, dict(stored.pick_policy.params))
         if pick != state.pick_policy:
             state = dataclasses.replace(state, pick_policy=pick)
+    rollouts = stored.current_rollouts()
+    if rollouts != state.rollouts:
+        state = dataclasses.replace(state, rollouts=rollouts)
     return state, vanished

@@ -41,7 +41,7 @@ import psycopg
 from psycopg import conninfo
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
-from . import usage
+from . import rollouts, usage
 from .base import (
     API_KEY_COLUMNS,
     OneThreadStore,
@@ -51,6 +51,7 @@ from .base import (
     StoreChange,
     StoredApiKey,
     StoredPolicy,
+    StoredRollout,
     StoreError,
     api_key_from_row,
     api_key_row,
@@ -118,8 +119,15 @@ def _migration_3(cur: psycopg.Cursor[Any]) -> None:
         cur.execute(statement)
 
 
+def _migration_4(cur: psycopg.Cursor[Any]) -> None:
+    """Model rollouts (issue 15): each alias's split and the one it replaced (``rollouts``)."""
+    for statement in rollouts.create_statements("postgres"):
+        cur.execute(statement)
+
+
 # Ordered: MIGRATIONS[i] takes the schema from version i to i + 1. Append only.
-MIGRATIONS: tuple[Callable[[psycopg.Cursor[Any]], None], ...] = (_migration_1, _migration_2, _migration_3)
+MIGRATIONS: tuple[Callable[[psycopg.Cursor[Any]], None], ...] = (_migration_1, _migration_2, _migration_3,
+                                                                  _migration_4)
 # Times as unix seconds, as the SQLite store keeps them.
 _API_KEY_SELECT = (f"SELECT {API_KEY_COLUMNS}, extract(epoch FROM created_at)::float8, "
                    "extract(epoch FROM revoked_at)::float8 FROM api_keys")
@@ -317,7 +325,9 @@ class PostgresStore(OneThreadStore):
                 policies[kind] = StoredPolicy(str(name), params)
             api_keys = tuple(api_key_from_row(row, self._location) for row in
                              cur.execute(f"{_API_KEY_SELECT} ORDER BY created_at, id"))
-        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"), api_keys)
+            stored_rollouts = rollouts.from_rows(cur.execute(rollouts.SELECT).fetchall(), self._location)
+        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"), api_keys,
+                             stored_rollouts)
 
     # -- writing (each returns once committed) ----------------------------------------------------
 
@@ -387,6 +397,13 @@ class PostgresStore(OneThreadStore):
 
         await self._acall(lambda: self._write(statements))
         return found[0] if found else None
+
+    async def set_rollout(self, record: StoredRollout) -> None:
+        values = rollouts.row(record)
+        await self._acall(lambda: self._write(lambda cur: cur.execute(rollouts.upsert_sql("postgres"), values)))
+
+    async def delete_rollout(self, alias: str) -> None:
+        await self._acall(lambda: self._write(lambda cur: cur.execute(rollouts.delete_sql("postgres"), (alias,))))
 
     # -- usage for billing (``usage``): no notification, nothing for the other replicas to reload -----
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
-from . import usage
+from . import rollouts, usage
 from .base import (
     API_KEY_COLUMNS,
     OneThreadStore,
@@ -46,6 +46,7 @@ from .base import (
     StoreChange,
     StoredApiKey,
     StoredPolicy,
+    StoredRollout,
     StoreError,
     api_key_from_row,
     api_key_row,
@@ -110,8 +111,15 @@ def _migration_3(db: sqlite3.Connection) -> None:
         db.execute(statement)
 
 
+def _migration_4(db: sqlite3.Connection) -> None:
+    """Model rollouts (issue 15): each alias's split and the one it replaced (``rollouts``)."""
+    for statement in rollouts.create_statements("sqlite"):
+        db.execute(statement)
+
+
 # Ordered: MIGRATIONS[i] takes the schema from version i to i + 1. Append only.
-MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1, _migration_2, _migration_3)
+MIGRATIONS: tuple[Callable[[sqlite3.Connection], None], ...] = (_migration_1, _migration_2, _migration_3,
+                                                                 _migration_4)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
@@ -262,7 +270,9 @@ class Store(OneThreadStore):
             policies[kind] = StoredPolicy(str(name), decoded)
         api_keys = tuple(api_key_from_row(row, str(self.path)) for row in
                          db.execute(f"{_API_KEY_SELECT} ORDER BY created_at, id"))
-        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"), api_keys)
+        stored_rollouts = rollouts.from_rows(db.execute(rollouts.SELECT).fetchall(), str(self.path))
+        return OperatorState(endpoints, overrides, policies.get("weight"), policies.get("pick"), api_keys,
+                             stored_rollouts)
 
     # -- writing (each returns once committed) ----------------------------------------------------
 
@@ -323,6 +333,13 @@ class Store(OneThreadStore):
             return None if row is None else api_key_from_row(row, str(self.path))
 
         return await self._acall(revoke)
+
+    async def set_rollout(self, record: StoredRollout) -> None:
+        values = (*rollouts.row(record), time.time())
+        await self._acall(lambda: self._write(lambda db: db.execute(rollouts.upsert_sql("sqlite"), values)))
+
+    async def delete_rollout(self, alias: str) -> None:
+        await self._acall(lambda: self._write(lambda db: db.execute(rollouts.delete_sql("sqlite"), (alias,))))
 
     # -- usage for billing (``usage``: idempotent upserts, differences taken when read) -------------
 
