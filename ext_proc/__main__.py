@@ -69,6 +69,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
         ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
                         response_headers=config.response_headers, max_body_bytes=config.max_body_bytes,
                         require_api_keys=config.require_api_keys, fair_queue_depth=config.fair_queue_depth,
+                        slow_start_s=config.slow_start_s,
                         fair_queue=GateSettings(max_wait_s=config.fair_queue_max_wait_s,
                                                 max_queued=config.fair_queue_max_queued,
                                                 max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,
@@ -153,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-policy-module", dest="allowed_policy_modules", action="append", metavar="PREFIX",
                    help="let module:attribute pick policies (from the config or EDS) load from this module or "
                         "below it (repeat for more; default: none)")
+    p.add_argument("--slow-start", dest="slow_start_s", type=float, metavar="SECONDS",
+                   help="ramp a newly routable worker's share of the picks up over this window (default 10; 0: off)")
     p.add_argument("--reuse-port", action="store_true", default=None,
                    help="share the gRPC port with other ext_proc processes (SO_REUSEPORT; give each its own "
                         "--metrics-port or 0)")

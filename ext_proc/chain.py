@@ -8,6 +8,12 @@ which owns what outlives a policy switch (the cost model, the outstanding
 ledger, and the head filters ``routable`` and ``partition`` that every chain
 starts with: the router runs them once per EDS view and hands their result in).
 
+Before the filters, a filter that resolves (the built-in ``model`` filter: see
+``model_filter.py``) may rewrite the request (the model version it runs on,
+which the costing predicts for) or answer it (an unknown model's 404). Built-in
+plugins that watch the view (``model``, ``slow_start``) are told each new one
+by the router, once.
+
 The budget step is the chain's own, not a plugin: a request with a deadline
 (``RequestView.budget_s``) is never sent where its predicted completion
 misses the deadline while another candidate can make it. When none can, all
@@ -26,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .costing import Costing
+from .catalogue import ModelCatalogue
 from .model import Admit, Candidate, Decision, EndpointView, Filter, Picker, Reply, RequestView, Scorer
 from .policies import Sampler
 
@@ -42,6 +49,8 @@ class PickChain:
         self.scorers = tuple(scorers)
         self.picker = picker
         self._favouring = tuple(s for s, _ in self.scorers if callable(getattr(s, "favourites", None)))
+        self._resolving = tuple(f for f in self.filters if callable(getattr(f, "resolve", None)))
+        self._watching = tuple(p for p in self.plugins if callable(getattr(p, "new_view", None)))
         self._single = self.scorers[0][0] if len(self.scorers) == 1 and self.scorers[0][1] == 1.0 else None
 
     @property
@@ -54,6 +63,11 @@ class PickChain:
         """A ranked pick, an admit plugin's reply, or None (nothing routable or nothing ranked: the caller
         fails open to Envoy's weighted fallback, or answers 503 when nothing is routable). ``pool`` is what
         the head filters (routable, partition: the router's, run once per view) left of ``fleet``."""
+        for r in self._resolving:
+            resolved = r.resolve(request)  # type: ignore[attr-defined]
+            if type(resolved) is Reply:
+                return resolved
+            request = resolved
         for f in self.filters:
             if not pool:
                 break
@@ -84,8 +98,13 @@ class PickChain:
         for primary in candidates:
             if primary.endpoint.id == chosen:
                 return Decision(tuple(ranked), primary.predicted_cost_s, self.policy, primary.predicted_completion_s,
-                                len(candidates))
+                                len(candidates), request.version)
         raise LookupError(f"the picker chose {chosen}, which is not a candidate")
+
+    def new_view(self, routable: Sequence[EndpointView], catalogue: ModelCatalogue) -> None:
+        """Tell the plugins that watch the view (once per view, before its decisions)."""
+        for plugin in self._watching:
+            plugin.new_view(routable, catalogue)  # type: ignore[attr-defined]
 
     def _totals(self, request: RequestView, candidates: Sequence[Candidate]) -> Sequence[float]:
         totals = [0.0] * len(candidates)

@@ -90,6 +90,10 @@ class ExtProcConfig(BaseSettings):
     fair_queue_max_queued: int = Field(10_000, ge=1)
     fair_queue_max_queued_per_tenant: int = Field(1_000, ge=1)
     fair_queue_aging_s: float = Field(2.0, gt=0)
+    # Slow start: an endpoint that turned routable (joined, or came back) takes a share of this replica's picks
+    # ramping from 10% to all over this many seconds, so a cold worker is not flooded by its empty queue's
+    # appeal. Endpoints already routable when ext_proc starts are not ramped. 0: off.
+    slow_start_s: float = Field(10.0, ge=0, le=3600)
     # Refuse requests without a known API key (401 invalid_api_key) instead of serving them as the anonymous
     # tenant. Set the control plane's data_plane.require_api_keys too, so Envoy never skips ext_proc.
     require_api_keys: bool = False

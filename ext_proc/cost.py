@@ -23,6 +23,13 @@ fit from telemetry (``batch_cost_fixed_s`` + ``batch_cost_per_token_s``)
 when the control plane sends it, else the configured defaults (fitted on this
 machine: ~4 ms for 16 tokens, ~64 ms for 256).
 
+Per model version: an endpoint serving two versions (int8 and fp32) runs them
+at different speeds, so each (endpoint, version) gets a fit of its own, fed
+by the responses that name their version, with the endpoint's fit (all its
+responses) as its prior. A prediction for a version uses the version's fit
+once it has learnt from a response, the endpoint's before (and for requests
+whose version is not known: a bare alias, a fleet without models).
+
 Observations are clipped to [min(fit, prior)/clip, max(fit, prior)*clip]
 before they are learnt, so one GC pause cannot wreck a fit, while a real
 speed change still gets through within a few dozen responses.
@@ -95,13 +102,20 @@ class CostModel:
         self._k = 3 if p.quadratic else 2
         self._default_prior = self._scaled(p.prior_fixed_s, p.prior_per_token_s, p.prior_per_token2_s)
         self._fits: dict[str, _Fit] = {}
+        self._model_fits: dict[tuple[str, str], _Fit] = {}  # (endpoint, version) -> its own fit
         self._apes: deque[float] = deque(maxlen=p.mape_window)
         self._ape_sum = 0.0
         self.observations = 0
 
     # -- public ------------------------------------------------------------------------------
-    def predict(self, endpoint_id: str, tokens: int, telemetry: Mapping[str, float] | None = None) -> float:
-        """Predicted compute seconds of ``tokens`` on the endpoint (never below 10 µs)."""
+    def predict(self, endpoint_id: str, tokens: int, telemetry: Mapping[str, float] | None = None,
+                model: str | None = None) -> float:
+        """Predicted compute seconds of ``tokens`` on the endpoint (never below 10 µs), for ``model`` (a
+        version) once the endpoint's fit for it has learnt something, else for any model."""
+        if model is not None and self._model_fits:
+            own = self._model_fits.get((endpoint_id, model))
+            if own is not None and own.count:
+                return self._eval(own.theta, tokens)
         fit = self._fits.get(endpoint_id)
         if fit is None:
             fit = self._fits[endpoint_id] = self._new_fit()
@@ -114,8 +128,10 @@ class CostModel:
                 fit.theta = self._solve(fit) if fit.count else prior
         return self._eval(fit.theta, tokens)
 
-    def observe(self, endpoint_id: str, tokens: int, seconds: float, predicted_s: float | None = None) -> None:
-        """Learn one response's compute seconds. ``predicted_s``: what the pick predicted, for the error metric.
+    def observe(self, endpoint_id: str, tokens: int, seconds: float, predicted_s: float | None = None,
+                model: str | None = None) -> None:
+        """Learn one response's compute seconds (of ``model``, the version that ran, when known: its own fit
+        learns too). ``predicted_s``: what the pick predicted, for the error metric.
 
         Without ``predicted_s`` the error is taken against the model's current
         prediction (before this update). Non-finite or non-positive timings are ignored.
@@ -126,10 +142,21 @@ class CostModel:
         if fit is None:
             fit = self._new_fit()
             self._fits[endpoint_id] = fit
+        if model is not None:
+            own = self._model_fits.get((endpoint_id, model))
+            if own is None:  # its prior: what the endpoint's fit knows so far
+                own = self._model_fits[(endpoint_id, model)] = self._new_fit(fit.theta)
+            self._learn(own, tokens, seconds)
         current = self._eval(fit.theta, tokens)
         expected = predicted_s if predicted_s is not None and predicted_s > 0 else current
         ape = min(abs(expected - seconds) / seconds, _APE_CAP)
         self._record(fit, ape)
+        self._learn(fit, tokens, seconds)
+        self.observations += 1
+
+    def _learn(self, fit: _Fit, tokens: int, seconds: float) -> None:
+        """One clipped observation into a fit's decayed statistics, and its new solution."""
+        current = self._eval(fit.theta, tokens)
         p = self.params
         # The window is anchored on the prior as well as the fit, so a fit gone bad cannot lock the truth out.
         anchor = self._eval(fit.prior, tokens)
@@ -148,12 +175,14 @@ class CostModel:
         fit.count += 1
         fit.rho = max(fit.rho * d, p.prior_floor)
         fit.theta = self._solve(fit)
-        self.observations += 1
 
-    def coefficients(self, endpoint_id: str, telemetry: Mapping[str, float] | None = None) -> tuple[float, ...]:
-        """``(a_s, b_s_per_token[, c_s_per_token2])`` in unscaled units, for reports and tests."""
+    def coefficients(self, endpoint_id: str, telemetry: Mapping[str, float] | None = None,
+                     model: str | None = None) -> tuple[float, ...]:
+        """``(a_s, b_s_per_token[, c_s_per_token2])`` in unscaled units (of ``model``'s own fit when it has
+        one), for reports and tests."""
         self.predict(endpoint_id, 0, telemetry)
-        theta = self._fits[endpoint_id].theta
+        own = self._model_fits.get((endpoint_id, model)) if model is not None else None
+        theta = own.theta if own is not None and own.count else self._fits[endpoint_id].theta
         scale = self.params.token_scale
         return tuple(t / scale**i for i, t in enumerate(theta))
 
@@ -169,15 +198,17 @@ class CostModel:
     def mape_by_endpoint(self) -> dict[str, float]:
         return {e: f.ape_sum / len(f.apes) for e, f in self._fits.items() if f.apes}
 
-    def observed(self, endpoint_id: str) -> int:
-        """How many responses the endpoint's fit has learnt from."""
-        fit = self._fits.get(endpoint_id)
+    def observed(self, endpoint_id: str, model: str | None = None) -> int:
+        """How many responses the endpoint's fit (for ``model``: its fit for that version) has learnt from."""
+        fit = self._fits.get(endpoint_id) if model is None else self._model_fits.get((endpoint_id, model))
         return fit.count if fit is not None else 0
 
     def retain(self, endpoint_ids: set[str] | frozenset[str]) -> None:
         """Forget endpoints that left the fleet (call on an EDS update)."""
         for gone in [e for e in self._fits if e not in endpoint_ids]:
             del self._fits[gone]
+        for key in [k for k in self._model_fits if k[0] not in endpoint_ids]:
+            del self._model_fits[key]
 
     # -- internals ---------------------------------------------------------------------------
     def _scaled(self, fixed: float, per_token: float, per_token2: float) -> tuple[float, ...]:
@@ -205,13 +236,12 @@ class CostModel:
             value += theta[2] * u * u
         return value if value > _MIN_COST_S else _MIN_COST_S
 
-    def _new_fit(self) -> _Fit:
+    def _new_fit(self, prior: tuple[float, ...] | None = None) -> _Fit:
         k = self._k
         fit = _Fit(k=k, s=[[0.0] * k for _ in range(k)], r=[0.0] * k,
                    apes=deque(maxlen=self.params.mape_window))
         fit.rho = self.params.prior_strength
-        fit.prior = self._default_prior
-        fit.theta = self._default_prior
+        fit.prior = fit.theta = prior if prior is not None else self._default_prior
         return fit
 
     def _solve(self, fit: _Fit) -> tuple[float, ...]:

@@ -37,7 +37,8 @@ MAX_REPLICA_FACTOR = 64.0
 class CostPredictor(Protocol):
     """What costing needs of the cost model (``ext_proc.cost.CostModel``)."""
 
-    def predict(self, endpoint_id: str, tokens: int, telemetry: Mapping[str, float] | None = None) -> float: ...
+    def predict(self, endpoint_id: str, tokens: int, telemetry: Mapping[str, float] | None = None,
+                model: str | None = None) -> float: ...
 
 
 class Costing:
@@ -98,6 +99,7 @@ class Costing:
     def candidates(self, request: RequestView, pool: Sequence[EndpointView]) -> list[Candidate]:
         """Every routable endpoint of ``pool``, costed for ``request`` (a plugin cannot smuggle in another)."""
         tokens = request.tokens
+        version = request.version  # the model version it runs on, when the model filter chose one
         self._mean_tokens += 0.02 * (tokens - self._mean_tokens)
         predict = self.cost.predict
         load_of = self.outstanding.load_of
@@ -134,6 +136,6 @@ class Costing:
                 foreign = reported + factor * (requests - ours_then) - requests
                 if foreign > 0:
                     outstanding_s += foreign * predict(endpoint_id, mean_tokens, telemetry)
-            candidates.append(Candidate(e, predict(endpoint_id, tokens, telemetry), outstanding_s, requests,
+            candidates.append(Candidate(e, predict(endpoint_id, tokens, telemetry, version), outstanding_s, requests,
                                         load.tokens))
         return candidates

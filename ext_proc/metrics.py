@@ -35,6 +35,8 @@ PREFIX = "inferlb_ext_proc_"
 # A decision is tens of microseconds; a slow one (a huge body tokenised in a thread) tens of ms.
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# From the decision to the worker's response headers: the request's whole time at the worker.
+RESPONSE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 STORE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -140,6 +142,8 @@ _HOT_COUNTERS = {
 }
 MAX_LABELS = 32  # distinct values per hot counter; later ones count as "other" (a plugin names admit codes)
 MAX_TENANTS = 1000  # tenants with series of their own; later ones count as "other"
+MAX_MODELS = 64  # model versions with series of their own; later ones count as "other"
+OTHER_MODEL = "other"  # a request whose version is not one of the catalogue's (or not known)
 # What became of a tenant's request (label ``outcome`` of the usage counters).
 TENANT_OUTCOMES = ("served", "failed", "rate_limited", "shed", "unauthenticated")
 _DECISION_HELP = ("From the message that completes a request (body or headers) to the answer: token counting, "
@@ -179,6 +183,7 @@ class _HotCollector(Collector):
             tokens.add_metric([tenant, outcome], t)
         yield requests
         yield tokens
+        yield from m.model_families()
 
 
 _TENANT_HELP = ("{} by the API key's tenant (anonymous: no key) and outcome: served (a 2xx answer), failed (an "
@@ -205,6 +210,13 @@ class ExtProcMetrics:
         # Usage by (tenant, outcome): [requests, tokens].
         self.tenant_counts: dict[tuple[str, str], list[int]] = {}
         self._tenants: set[str] = set()
+        # Per model version (a canary against its baseline): decisions, answers by status class, and the time
+        # from the decision to the response headers (bucket counts, sum).
+        self.model_decision_counts: dict[str, int] = {}
+        self.model_request_counts: dict[tuple[str, str], int] = {}
+        self.model_response_times: dict[str, tuple[list[int], list[float]]] = {}
+        self._models: set[str] = set()  # the model labels in use
+        self._response_bucket_names = [_le(b) for b in RESPONSE_BUCKETS] + ["+Inf"]
         r.register(_HotCollector(self))
         # Rare events: prometheus_client counters.
         self.xds_updates = Counter(f"{PREFIX}xds_updates", "EDS responses, by result.", ["result"], registry=r)
@@ -243,6 +255,58 @@ class ExtProcMetrics:
         counts[key] = counts.get(key, 0) + 1
         self._bucket_counts[bisect.bisect_left(self._bounds, seconds)] += 1
         self._decision_sum += seconds
+
+    def _model_label(self, model: str) -> str:
+        """``model`` (the servicer passes a catalogue version or "other") unless MAX_MODELS are known already."""
+        models = self._models
+        if model not in models:
+            if len(models) >= MAX_MODELS:
+                return OTHER_MODEL
+            models.add(model)
+        return model
+
+    def model_decision(self, model: str) -> None:
+        """A pick for a request that runs on ``model``."""
+        model = self._model_label(model)
+        self.model_decision_counts[model] = self.model_decision_counts.get(model, 0) + 1
+
+    def model_answer(self, model: str, status: str, seconds: float | None = None) -> None:
+        """A request of ``model`` answered with ``status`` (its worker's, or ext_proc's own reply); ``seconds``
+        from the decision to the worker's response headers (None: ext_proc answered)."""
+        model = self._model_label(model)
+        key = (model, f"{status[:1]}xx" if status[:1].isdigit() else "unknown")
+        self.model_request_counts[key] = self.model_request_counts.get(key, 0) + 1
+        if seconds is not None:
+            times = self.model_response_times.get(model)
+            if times is None:
+                times = self.model_response_times[model] = ([0] * (len(RESPONSE_BUCKETS) + 1), [0.0])
+            times[0][bisect.bisect_left(RESPONSE_BUCKETS, seconds)] += 1
+            times[1][0] += seconds
+
+    def model_families(self) -> Iterator[Any]:
+        """The per-version families (for the hot collector)."""
+        decisions = CounterMetricFamily(f"{PREFIX}model_decisions", "Picks made, by the model version the request "
+                                        "runs on (other: not one the fleet lists, or none chosen: a bare alias "
+                                        "or no model).", labels=["model"])
+        for model, value in sorted(self.model_decision_counts.items()):
+            decisions.add_metric([model], value)
+        yield decisions
+        requests = CounterMetricFamily(f"{PREFIX}model_requests", "Requests by model version (the one that "
+                                       "served, else the one chosen) and status class (ext_proc's own 404 "
+                                       "model_not_found and 503 model_unavailable included).",
+                                       labels=["model", "code_class"])
+        for (model, code_class), value in sorted(self.model_request_counts.items()):
+            requests.add_metric([model, code_class], value)
+        yield requests
+        seconds = HistogramMetricFamily(f"{PREFIX}model_response_seconds", "From ext_proc's decision to the "
+                                        "worker's response headers, by model version.", labels=["model"])
+        for model, (counts, total) in sorted(self.model_response_times.items()):
+            cumulative, buckets = 0, []
+            for bound, count in zip(self._response_bucket_names, counts):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            seconds.add_metric([model], buckets, total[0])
+        yield seconds
 
     def retain_endpoints(self, endpoint_ids: Iterable[str]) -> None:
         """Drop the series of endpoints that left the fleet (on each EDS view), so churn never grows them."""

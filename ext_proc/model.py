@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from inferlb_runtime.api_keys import ANONYMOUS_TENANT
+from inferlb_runtime.model_routing import DEFAULT_POOL
 from inferlb_runtime.request_class import Priority
 
 
@@ -36,6 +37,9 @@ class EndpointView:
     healthy: bool = True  # EDS health HEALTHY or UNKNOWN
     draining: bool = False
     telemetry: Mapping[str, float] = field(default_factory=dict)
+    models: tuple[str, ...] = ()  # the version ids it serves (empty: a worker that does not say)
+    model_aliases: tuple[str, ...] = ()  # the aliases it answers to
+    pool: str = DEFAULT_POOL
 
     @property
     def routable(self) -> bool:
@@ -54,6 +58,9 @@ class RequestView:
     priority: Priority = Priority.STANDARD  # its class (x-gateway-inference-objective)
     budget_s: float | None = None  # seconds left before its deadline, at the decision; None: no deadline
     tenant: str = ANONYMOUS_TENANT  # its API key's tenant (ext_proc/callers.py)
+    key_id: str | None = None  # its API key's id (None: anonymous): a sticky rollout's caller
+    user: str | None = None  # the body's OpenAI ``user``: the other sticky caller
+    version: str | None = None  # the model version it runs on, once the model filter resolved one
 
 
 class Candidate(NamedTuple):
@@ -86,6 +93,7 @@ class Reply:
     code: str  # machine-readable: "overloaded", ...
     message: str  # what happened and what to do, for a person
     type: str = "server_error"
+    param: str | None = None  # the request field at fault ("model"), as OpenAI names it
     retry_after_s: int | None = None  # a Retry-After header, when retrying later is the advice
     headers: tuple[tuple[str, str], ...] = ()  # more response headers (the x-ratelimit-* of a 429)
 
@@ -98,6 +106,7 @@ class Decision(NamedTuple):
     policy: str
     completion_s: float = 0.0  # predicted completion on the primary: its outstanding work + predicted_s
     evaluated: int = 0  # candidates costed for this decision
+    version: str | None = None  # the model version chosen for it (the worker is told in x-inferlb-model)
 
     @property
     def primary(self) -> str:
@@ -145,6 +154,15 @@ class Favouring(Protocol):
     sampling d random candidates cannot leave out the one it would score highest."""
 
     def favourites(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Iterable[EndpointView]: ...
+
+
+@runtime_checkable
+class Resolving(Protocol):
+    """Optional for a built-in filter: runs before every filter, once per request, and either rewrites the
+    request (the model filter resolves the body's ``model`` to the version it runs on, which the costing and
+    the worker then use) or answers it (a :class:`Reply`: an unknown model's 404)."""
+
+    def resolve(self, request: RequestView) -> RequestView | Reply: ...
 
 
 class Picker(Protocol):

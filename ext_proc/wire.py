@@ -25,6 +25,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from inferlb_runtime.hostport import id_of_authority
+from inferlb_runtime.model_routing import MODEL_HEADER
 from inferlb_runtime.protowire import ONE_BYTE, len_field, varint
 
 from .cost import parse_orca, parse_server_timing, service_seconds
@@ -108,6 +109,7 @@ P_TOKENS = option_prefix(TOKENS_HEADER)
 P_PREDICTED = option_prefix(PREDICTED_HEADER)
 P_ENDPOINT = option_prefix(ENDPOINT_RESPONSE_HEADER)
 P_COUNTED = option_prefix(COUNTED_RESPONSE_HEADER)
+P_MODEL = option_prefix(MODEL_HEADER)
 PICK_CACHE_MAX = 4096  # ranked picks whose header entry and metadata are kept serialised
 
 # Answers that never change: serialised once.
@@ -144,7 +146,7 @@ def add_headers(mutation: pb.HeaderMutation, headers: Sequence[tuple[str, str]])
         option.append_action = _OVERWRITE
 
 
-_LEARN_FROM = frozenset({":status", SERVER_TIMING_HEADER, ORCA_HEADER, TOKENS_HEADER})
+_LEARN_FROM = frozenset({":status", SERVER_TIMING_HEADER, ORCA_HEADER, TOKENS_HEADER, MODEL_HEADER})
 
 
 def response_headers_of(headers: pb.HttpHeaders) -> dict[str, str]:
@@ -206,9 +208,9 @@ COMPUTE_MS = re.compile(r"(?:^|,)\s*compute;dur=([0-9]+(?:\.[0-9]+)?)\s*(?=,|$)"
 ORCA_INFLIGHT = re.compile(r"[ ,]named_metrics\.inflight=([0-9]+(?:\.[0-9]+)?)\s*(?=,|$)")
 
 
-def error_body(message: str, code: str, type_: str = "server_error") -> bytes:
+def error_body(message: str, code: str, type_: str = "server_error", param: str | None = None) -> bytes:
     """OpenAI's error shape, as the workers answer."""
-    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
 NO_ENDPOINT_BODY = error_body(
@@ -244,8 +246,13 @@ def body_too_large_response(limit: int) -> bytes:
 def reply_response(reply: Reply) -> bytes:
     """An admit plugin's :class:`~ext_proc.model.Reply` as an ImmediateResponse in OpenAI's shape."""
     headers = (("retry-after", str(reply.retry_after_s)),) if reply.retry_after_s is not None else ()
-    return immediate(reply.status, error_body(reply.message, reply.code, reply.type), f"inferlb_{reply.code}",
-                     *headers, *reply.headers)
+    return immediate(reply.status, error_body(reply.message, reply.code, reply.type, reply.param),
+                     f"inferlb_{reply.code}", *headers, *reply.headers)
+
+
+def json_response(document: Any, details: str) -> bytes:
+    """A 200 ext_proc answers itself (``GET /v1/models``): the worker never sees the request."""
+    return immediate(http_status_pb2.OK, orjson.dumps(document), details)
 
 
 def request_headers_answer(mutation: bytes) -> bytes:
@@ -290,7 +297,10 @@ class PickAnswers:
         return cached
 
     def answer(self, headers_phase: bool, pick_option: bytes, pick_metadata: bytes, tokens: int,
-               predicted_s: float, mutation: bytes = b"") -> bytes:
+               predicted_s: float, mutation: bytes = b"", version: str | None = None) -> bytes:
+        """``version``: the model version the worker must run (``x-inferlb-model``), when one was chosen."""
+        if version is not None:
+            mutation += option(P_MODEL, version.encode())
         return phase(T_REQUEST_HEADERS if headers_phase else T_REQUEST_BODY,
                      pick_option + option(P_TOKENS, str(tokens).encode())
                      + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000)) + mutation) + pick_metadata

@@ -8,7 +8,12 @@ node cluster (``inferlb-ext-proc``) a rich variant of it: per endpoint,
 ``filter_metadata["inferlb"]`` with ``draining``, ``health`` and the scraped
 telemetry; on the locality, ``{"pick_policy": {"name", "params"}}`` and
 ``ext_proc_replicas`` (the connected replicas' node ids, sorted): our index
-among them is ``FleetView.partition``.
+among them is ``FleetView.partition``. Model routing (issue 15,
+``inferlb_runtime/model_routing.py``): per endpoint ``models``,
+``model_aliases`` and ``pool``; on the locality ``rollouts``. A malformed
+rollout table is not a reason to refuse the endpoints: the view is taken
+without rollouts and the reason logged (once per distinct reason), so the
+fleet keeps routing by version while the operator fixes it.
 
 What the per-request path reads is one immutable :class:`FleetView`,
 replaced as a whole on each accepted update (an attribute swap is atomic on
@@ -55,9 +60,12 @@ from google.rpc import status_pb2
 
 from inferlb_runtime.api_keys import API_KEYS_RESOURCE, KEYS_TYPE_URL, InvalidKeyTable
 from inferlb_runtime.backoff import Backoff
+from inferlb_runtime.model_routing import (ALIASES_KEY, DEFAULT_POOL, MODEL_NAME_PATTERN, MODELS_KEY, POOL_KEY,
+                                           ROLLOUTS_KEY, InvalidRollouts, Rollout, decode_rollouts)
 from inferlb_runtime.tls import PemFiles
 from inferlb_runtime.xds_node import METRICS_PORT_KEY
 
+from .catalogue import ModelCatalogue
 from .model import EndpointView
 from .tenants import KeyTable, parse_key_table
 
@@ -67,7 +75,8 @@ ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignm
 METADATA_NAMESPACE = "inferlb"
 USER_AGENT = "inferlb-ext-proc"
 # Keys of the endpoint metadata that are state, not telemetry.
-_STATE_KEYS = frozenset({"id", "weight", "computed_weight", "pinned_weight", "draining", "health"})
+_STATE_KEYS = frozenset({"id", "weight", "computed_weight", "pinned_weight", "draining", "health", MODELS_KEY,
+                         ALIASES_KEY, POOL_KEY})
 _ROUTABLE_STATUSES = frozenset({health_check_pb2.UNKNOWN, health_check_pb2.HEALTHY})
 # Parse big ClusterLoadAssignments in a thread: the loop keeps answering Envoy meanwhile.
 _PARSE_INLINE_BYTES = 64 * 1024
@@ -107,12 +116,16 @@ class FleetView:
     pick_policy: PickPolicySpec | None = None
     received_at: float = 0.0  # time.monotonic()
     partition: tuple[int, int] = (0, 1)  # (our index, replicas) in the control plane's ext_proc_replicas
+    rollouts: Mapping[str, Rollout] = field(default_factory=dict)  # by alias
+    rollouts_error: str | None = None  # why the locality's rollout table was ignored, if it was
     routable: tuple[EndpointView, ...] = field(init=False)
     by_id: Mapping[str, EndpointView] = field(init=False)
     pick_values: Mapping[str, str] = field(init=False)
+    catalogue: ModelCatalogue = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "routable", tuple(e for e in self.endpoints if e.routable))
+        object.__setattr__(self, "catalogue", ModelCatalogue.of(self.endpoints, self.rollouts))
         object.__setattr__(self, "by_id", MappingProxyType({e.id: e for e in self.endpoints}))
         object.__setattr__(self, "pick_values", MappingProxyType({e.id: pick_value(e) for e in self.endpoints}))
 
@@ -126,7 +139,8 @@ def pick_value(endpoint: EndpointView) -> str:
 
 def _shape(view: FleetView) -> tuple[object, ...]:
     """What makes an update worth an INFO line: who is there, who is routable, which policy."""
-    return tuple(e.id for e in view.endpoints), tuple(e.id for e in view.routable), view.pick_policy
+    return (tuple(e.id for e in view.endpoints), tuple(e.id for e in view.routable), view.pick_policy,
+            view.catalogue.names(), tuple(view.rollouts.items()))
 
 
 ViewListener = Callable[[FleetView], None]
@@ -220,8 +234,9 @@ class StaticViewSource:
 
 
 def static_view(endpoints: Sequence[EndpointView], pick_policy: PickPolicySpec | None = None,
-                version: str = "static") -> FleetView:
-    return FleetView(version, tuple(endpoints), pick_policy, time.monotonic())
+                version: str = "static", rollouts: Sequence[Rollout] = ()) -> FleetView:
+    return FleetView(version, tuple(endpoints), pick_policy, time.monotonic(),
+                     rollouts=MappingProxyType({r.alias: r for r in rollouts}))
 
 
 # --- parsing -------------------------------------------------------------------------------------
@@ -268,6 +283,29 @@ def _pick_policy(fields: Mapping[str, struct_pb2.Value]) -> PickPolicySpec | Non
     return PickPolicySpec(spec["name"], MappingProxyType(params))
 
 
+def _rollouts(fields: Mapping[str, struct_pb2.Value]) -> tuple[Mapping[str, Rollout], str | None]:
+    """The locality's rollout table (none when absent: a control plane from before rollouts), or none and
+    the reason it is unusable."""
+    raw = fields.get(ROLLOUTS_KEY)
+    if raw is None:
+        return {}, None
+    try:
+        return decode_rollouts(_value(raw)), None
+    except InvalidRollouts as exc:
+        return {}, f"locality metadata inferlb.{ROLLOUTS_KEY} ignored: {exc}"
+
+
+def _names(fields: Mapping[str, struct_pb2.Value], key: str, where: str) -> tuple[str, ...]:
+    """A list of model names; a name that is not one (it could not be a header or a label) is left out."""
+    raw = fields.get(key)
+    if raw is None:
+        return ()
+    names = _value(raw)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise InvalidResource(f"endpoint {where}: metadata inferlb.{key} must be a list of strings, got {names!r}")
+    return tuple(dict.fromkeys(n for n in names if MODEL_NAME_PATTERN.match(n)))
+
+
 def _partition(fields: Mapping[str, struct_pb2.Value], node_id: str) -> tuple[int, int] | None:
     """(our index, count) in the locality's ``ext_proc_replicas``; None when absent or we are not listed
     (just connected: the next update lists us)."""
@@ -305,9 +343,14 @@ def _endpoint(lb: Any) -> EndpointView:
     telemetry = {k: v.number_value for k, v in fields.items()
                  if k not in _STATE_KEYS and v.WhichOneof("kind") == "number_value"}
     weight = lb.load_balancing_weight.value if lb.HasField("load_balancing_weight") else 1
-    return EndpointView(id=f"{socket.address}:{socket.port_value}", address=socket.address,
-                        port=socket.port_value, weight=weight, healthy=healthy, draining=draining,
-                        telemetry=MappingProxyType(telemetry))
+    endpoint_id = f"{socket.address}:{socket.port_value}"
+    pool = fields[POOL_KEY].string_value if POOL_KEY in fields else DEFAULT_POOL
+    if POOL_KEY in fields and fields[POOL_KEY].WhichOneof("kind") != "string_value":
+        raise InvalidResource(f"endpoint {endpoint_id}: metadata inferlb.{POOL_KEY} must be a string")
+    return EndpointView(id=endpoint_id, address=socket.address, port=socket.port_value, weight=weight,
+                        healthy=healthy, draining=draining, telemetry=MappingProxyType(telemetry),
+                        models=_names(fields, MODELS_KEY, endpoint_id),
+                        model_aliases=_names(fields, ALIASES_KEY, endpoint_id), pool=pool or DEFAULT_POOL)
 
 
 def parse_load_assignment(data: bytes, cluster: str, version: str, node_id: str = "") -> FleetView:
@@ -326,17 +369,22 @@ def parse_load_assignment(data: bytes, cluster: str, version: str, node_id: str 
     seen: set[str] = set()
     spec: PickPolicySpec | None = None
     partition: tuple[int, int] | None = None
+    rollouts: Mapping[str, Rollout] = {}
+    rollouts_error: str | None = None
     for locality in cla.endpoints:
         fields = _inferlb_metadata(locality.metadata)
         spec = _pick_policy(fields) or spec
         partition = _partition(fields, node_id) or partition
+        if ROLLOUTS_KEY in fields:
+            rollouts, rollouts_error = _rollouts(fields)
         for lb in locality.lb_endpoints:
             info = _endpoint(lb)
             if info.id in seen:
                 raise InvalidResource(f"endpoint {info.id} is listed twice")
             seen.add(info.id)
             endpoints.append(info)
-    return FleetView(version, tuple(endpoints), spec, time.monotonic(), partition or (0, 1))
+    return FleetView(version, tuple(endpoints), spec, time.monotonic(), partition or (0, 1),
+                     MappingProxyType(dict(rollouts)), rollouts_error)
 
 
 async def _parse(parse: Callable[..., T], data: bytes, *args: str) -> T:
@@ -522,6 +570,9 @@ class XdsClient:
         self._view = view
         self.accepted += 1
         self._observer.xds_update(True)
+        if view.rollouts_error is not None and (previous is None or previous.rollouts_error != view.rollouts_error):
+            log.error("rollout table ignored; routing by version and alias only",
+                      extra={"version": view.version, "error": view.rollouts_error})
         # Telemetry changes every scrape: INFO only when membership, routability or the policy change.
         changed = previous is None or _shape(previous) != _shape(view)
         (log.info if changed else log.debug)("eds update", extra={

@@ -13,6 +13,13 @@ A request is decided by a chain of steps (ext_proc/chain.py runs it)::
 * **scorers** give each candidate a score in [0, 1] (higher is better), summed with the scorers' weights;
 * the **picker** chooses the primary and the retry fallbacks.
 
+Every preset's filters start with ``model``: the body's ``model`` (a version, a
+worker alias, or a rollout alias split over versions) narrows the candidates
+to the endpoints serving it, or the request is answered 404
+``model_not_found`` / 503 ``model_unavailable`` (a no-op while no endpoint
+says what it serves). ext_proc adds ``slow_start`` after it from its own
+configuration (a window per ext_proc, not a policy parameter).
+
 A *policy* is a configuration of that chain. The names operators have used
 (``least_completion_time``, ``round_robin``, ``least_outstanding``,
 ``p2c_tokens``) are presets: each expands its parameters into a
@@ -94,6 +101,24 @@ class ShedParams:
 
 
 @dataclass(frozen=True)
+class ModelParams:
+    """Route by the body's ``model``; ``seed`` fixes the random buckets of non-sticky rollouts (tests)."""
+
+    seed: Seed = None
+
+
+@dataclass(frozen=True)
+class SlowStartParams:
+    """An endpoint that turned routable less than ``window_s`` ago is a candidate for a growing share of the
+    requests (a linear ramp from ``min_share``), so that a cold worker is not flooded by the picks its empty
+    queue attracts. Endpoints of ext_proc's first view are not ramped (they were serving already)."""
+
+    window_s: Annotated[float, Ge(0.0), Le(3600.0)] = 10.0
+    min_share: Annotated[float, Ge(0.0), Le(1.0)] = 0.1
+    seed: Seed = None
+
+
+@dataclass(frozen=True)
 class NoParams:
     """A plugin without parameters."""
 
@@ -126,6 +151,10 @@ class BuiltinPlugin:
 BUILTIN_PLUGINS: Mapping[str, BuiltinPlugin] = {p.name: p for p in (
     BuiltinPlugin("shed", "admit", ShedParams,
                   "429 for a sheddable request when the best predicted completion is over the SLO"),
+    BuiltinPlugin("model", "filter", ModelParams, "the endpoints serving the body's model (a version, an alias, or "
+                  "a rollout's version); 404 model_not_found for a name the fleet does not serve"),
+    BuiltinPlugin("slow_start", "filter", SlowStartParams,
+                  "a newly routable endpoint takes a share of requests ramping up over a window"),
     BuiltinPlugin("rotate", "filter", RotateParams, "the next few routable endpoints in turn (round robin)"),
     BuiltinPlugin("completion_time", "scorer", CompletionTimeParams,
                   "least predicted completion time: outstanding work + this request's predicted cost"),
@@ -190,6 +219,9 @@ def _admission(p: Admission) -> tuple[PluginRef, ...]:
     return (PluginRef("shed", {"slo_ms": p.slo_ms}),) if p.slo_ms > 0 else ()
 
 
+MODEL_FILTER = PluginRef("model")  # the head of every preset's filters
+
+
 @dataclass(frozen=True)
 class LeastCompletionTimeParams(Admission):
     d: Annotated[int, Ge(1), Le(1000)] = 4  # candidates costed per decision on larger fleets (power-of-d)
@@ -217,25 +249,33 @@ class P2CTokensParams(Admission):
     seed: Seed = None
 
 
+def _model(seed: int | None) -> PluginRef:
+    return MODEL_FILTER if seed is None else PluginRef("model", {"seed": seed})
+
+
 def _least_completion_time(p: LeastCompletionTimeParams) -> ChainSpec:
-    return ChainSpec("least_completion_time", admit=_admission(p), sample=SampleParams(p.d, p.sample_weighted, p.seed),
+    return ChainSpec("least_completion_time", admit=_admission(p), filters=(_model(p.seed),),
+                     sample=SampleParams(p.d, p.sample_weighted, p.seed),
                      scorers=(PluginRef("completion_time", {"weight_exponent": p.weight_exponent}),),
                      picker=PluginRef("max_score", {"fallbacks": p.fallbacks, "seed": p.seed}))
 
 
 def _round_robin(p: RoundRobinParams) -> ChainSpec:
-    return ChainSpec("round_robin", admit=_admission(p), filters=(PluginRef("rotate", {"width": 1 + p.fallbacks}),),
+    return ChainSpec("round_robin", admit=_admission(p),
+                     filters=(MODEL_FILTER, PluginRef("rotate", {"width": 1 + p.fallbacks})),
                      picker=PluginRef("in_order", {"fallbacks": p.fallbacks}))
 
 
 def _least_outstanding(p: LeastOutstandingParams) -> ChainSpec:
-    return ChainSpec("least_outstanding", admit=_admission(p), sample=SampleParams(p.d, False, p.seed),
+    return ChainSpec("least_outstanding", admit=_admission(p), filters=(_model(p.seed),),
+                     sample=SampleParams(p.d, False, p.seed),
                      scorers=(PluginRef("outstanding_requests"),),
                      picker=PluginRef("max_score", {"fallbacks": p.fallbacks, "seed": p.seed}))
 
 
 def _p2c_tokens(p: P2CTokensParams) -> ChainSpec:
-    return ChainSpec("p2c_tokens", admit=_admission(p), sample=SampleParams(2, p.sample_weighted, p.seed),
+    return ChainSpec("p2c_tokens", admit=_admission(p), filters=(_model(p.seed),),
+                     sample=SampleParams(2, p.sample_weighted, p.seed),
                      scorers=(PluginRef("outstanding_tokens"),),
                      picker=PluginRef("max_score", {"fallbacks": 1, "seed": p.seed}))
 

@@ -85,9 +85,10 @@ class CountingCost:
         self.inner = inner or CostModel()
         self.calls: list[str] = []
 
-    def predict(self, endpoint_id: str, tokens: int, telemetry: Mapping[str, float] | None = None) -> float:
+    def predict(self, endpoint_id: str, tokens: int, telemetry: Mapping[str, float] | None = None,
+                model: str | None = None) -> float:
         self.calls.append(endpoint_id)
-        return self.inner.predict(endpoint_id, tokens, telemetry)
+        return self.inner.predict(endpoint_id, tokens, telemetry, model)
 
 
 # --- token counting --------------------------------------------------------------------------------
