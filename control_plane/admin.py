@@ -19,11 +19,19 @@ bring it back. Meanwhile it shows ``removing: true``. The drain-then-remove
 task is supervised: a failure is logged, counted
 (``inferlb_cp_task_failures_total{task="deregister"}``) and retried.
 
+Model rollouts (``/v1/rollouts/{alias}``, issue 15) go the same way: a PUT
+keeps the split it replaces as the alias's ``previous``, and a rollback swaps
+the two (so a rollback of a rollback goes forward again). ext_proc gets the
+rollouts on its EDS (``inferlb.rollouts``), with the next publish like any
+other action. A split naming a version no endpoint serves is refused (409)
+unless ``?force=true``: a typo must not send a share of the traffic nowhere.
+
 Errors have one shape, ``{"error": {"status", "code", "message", "detail"}}``:
-400 (malformed JSON, unknown policy), 401 (token), 404 (no such endpoint or
-route), 405, 409 (conflicts: exists, static, being removed), 422 (the body
-fails its schema or the policy's parameter schema), 503 (the store could not
-commit).
+400 (malformed JSON, unknown policy), 401 (token), 404 (no such endpoint,
+rollout or route), 405, 409 (conflicts: exists, static, being removed; a
+version nobody serves, an alias that is a version, nothing to roll back to),
+422 (the body fails its schema, the policy's parameter schema or the rollout's
+rules), 503 (the store could not commit).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferlb_runtime import plugins
 from inferlb_runtime.api_keys import KEY_PREFIX, TENANT_PATTERN, Quota, hash_key, new_key
+from inferlb_runtime.model_routing import MODEL_NAME_PATTERN, Rollout
 from inferlb_runtime.request_class import PRIORITIES
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.supervision import Supervised
@@ -70,6 +79,9 @@ from .api_models import (
     EndpointList,
     EndpointOut,
     ErrorResponse,
+    ModelCatalogueOut,
+    ModelEndpointOut,
+    ModelVersionOut,
     NackOut,
     NginxFailureOut,
     NginxServerOut,
@@ -77,6 +89,10 @@ from .api_models import (
     NginxStatusOut,
     PolicyState,
     PolicyUpdate,
+    RolloutList,
+    RolloutOut,
+    RolloutPut,
+    RolloutSplit,
     TelemetryOut,
     TypeStatusOut,
     UsageReport,
@@ -99,6 +115,7 @@ from .store import (
     PolicyKind,
     StoredApiKey,
     StoredPolicy,
+    StoredRollout,
     StoreError,
     live_key_entries,
     reconcile,
@@ -120,6 +137,9 @@ Credentials = typing.Annotated[HTTPAuthorizationCredentials | None, Security(BEA
 EndpointId = typing.Annotated[str, Path(description="host:port", examples=["127.0.0.1:8101"], max_length=300)]
 ApiKeyId = typing.Annotated[str, Path(description="the key's id (not the key)", examples=["key_0123456789abcdef"],
                                       max_length=100)]
+Alias = typing.Annotated[str, Path(description="the model name requests use; may contain '/'",
+                                   examples=["all-MiniLM-L6-v2"], max_length=128,
+                                   pattern=MODEL_NAME_PATTERN.pattern)]
 # Listing keys shows tenants and their quotas: these routes need the token for reads too.
 API_KEYS_PATH = "/v1/api-keys"
 USAGE_PATH = "/v1/usage"  # tenants' usage: the token for reads too
@@ -155,6 +175,9 @@ E404 = _errors(404, "endpoint_not_found")
 E404_KEY = _errors(404, "api_key_not_found")
 E409 = _errors(409, "endpoint_exists", "static_endpoint", "endpoint_removing")
 E422_USAGE = _errors(422, "validation_error")
+E404_ROLLOUT = _errors(404, "rollout_not_found")
+E409_ROLLOUT = _errors(409, "version_not_served", "alias_is_a_version")
+E409_ROLLBACK = _errors(409, "no_previous_split")
 E422 = _errors(422, "validation_error", "invalid_params")
 E503 = _errors(503, "store_unavailable")
 
@@ -215,6 +238,36 @@ def api_key_out(key: StoredApiKey) -> ApiKeyOut:
                      created_at=key.created_at, revoked_at=key.revoked_at)
 
 
+def _split(rollout: Rollout) -> RolloutSplit:
+    return RolloutSplit(versions=dict(rollout.versions), sticky=rollout.sticky)
+
+
+def rollout_out(record: StoredRollout, served: frozenset[str]) -> RolloutOut:
+    """A rollout as the API shows it; ``served``: the versions some endpoint serves now."""
+    r = record.rollout
+    return RolloutOut(alias=r.alias, versions=dict(r.versions), sticky=r.sticky,
+                      previous=None if record.previous is None else _split(record.previous),
+                      unserved=[v for v, _ in r.versions if v not in served])
+
+
+def served_versions(state: FleetState) -> frozenset[str]:
+    """Every version some endpoint of the fleet reports, routable or not."""
+    return frozenset(v for e in state.endpoints for v in e.models)
+
+
+def model_catalogue(state: FleetState) -> list[ModelVersionOut]:
+    """Per version: the endpoints serving it, whether any is routable, and their aliases (an endpoint reports
+    its aliases for all its versions together: a version's are those of the endpoints that serve it)."""
+    serving: dict[str, list[Endpoint]] = {}
+    for e in sorted(state.endpoints, key=lambda e: e.id):
+        for version in e.models:
+            serving.setdefault(version, []).append(e)
+    return [ModelVersionOut(id=version, aliases=sorted({a for e in endpoints for a in e.model_aliases}),
+                            routable=any(e.routable for e in endpoints),
+                            endpoints=[ModelEndpointOut(id=e.id, routable=e.routable, pool=e.pool) for e in endpoints])
+            for version, endpoints in sorted(serving.items())]
+
+
 def _now_us() -> float:
     """Unix time to the microsecond: what PostgreSQL's timestamptz keeps, so a reload reads back the same."""
     return round(time.time(), 6)
@@ -245,6 +298,9 @@ class AdminService:
         self._removals: dict[str, asyncio.Task[None]] = {}
         # The stored weight policy the controller runs (restored or set): a reload rebuilds it only on a change.
         self._weight_stored = stored_weight_policy
+        # Every rollout with its previous split, by alias: what the store holds (the state has the current
+        # splits only). Read from the store when first needed (None until then), kept up to date after.
+        self._rollouts: dict[str, StoredRollout] | None = None
 
     async def stop(self) -> None:
         tasks = list(self._removals.values())
@@ -503,6 +559,102 @@ class AdminService:
     async def _push_api_keys(self) -> None:
         await self.controller.set_api_keys(live_key_entries(self._api_keys.values()))
 
+    # -- models and rollouts (issue 15) --------------------------------------------------------------
+
+    async def _rollout_records(self) -> dict[str, StoredRollout]:
+        """The rollouts with their previous splits (read from the store the first time: 503 if it fails)."""
+        if self._rollouts is None:
+            if self.store is None:
+                records: tuple[StoredRollout, ...] = tuple(StoredRollout(r) for r in self.controller.state.rollouts)
+            else:
+                try:
+                    records = (await self.store.aload()).rollouts
+                except StoreError as exc:
+                    raise ApiError(503, "store_unavailable", "the rollouts could not be read from the store",
+                                   {"store": str(exc)}) from exc
+            self._rollouts = {r.alias: r for r in records}
+        return self._rollouts
+
+    async def models(self) -> ModelCatalogueOut:
+        state = self.controller.state
+        return ModelCatalogueOut(models=model_catalogue(state), rollouts=(await self.rollouts()).rollouts)
+
+    async def rollouts(self) -> RolloutList:
+        records = await self._rollout_records()
+        served = served_versions(self.controller.state)
+        return RolloutList(rollouts=[rollout_out(records[a], served) for a in sorted(records)])
+
+    async def rollout(self, alias: str) -> RolloutOut:
+        return rollout_out(self._find_rollout(await self._rollout_records(), alias),
+                           served_versions(self.controller.state))
+
+    @staticmethod
+    def _find_rollout(records: Mapping[str, StoredRollout], alias: str) -> StoredRollout:
+        record = records.get(alias)
+        if record is None:
+            raise ApiError(404, "rollout_not_found", f"no rollout of {alias!r}")
+        return record
+
+    async def set_rollout(self, alias: str, body: RolloutPut, force: bool) -> RolloutOut:
+        """Create or replace ``alias``'s split; the one it replaces becomes its ``previous``."""
+        try:
+            rollout = Rollout(alias, tuple((v, float(p)) for v, p in body.versions.items()), body.sticky)
+        except ValueError as exc:
+            raise ApiError(422, "validation_error", str(exc),
+                           [{"loc": ["body", "versions"], "msg": str(exc), "type": "value_error"}]) from None
+        async with self._lock:
+            records = await self._rollout_records()
+            served = served_versions(self.controller.state)
+            if alias in served:
+                raise ApiError(409, "alias_is_a_version",
+                               f"{alias!r} is a version an endpoint serves: a rollout of it would hide that version; "
+                               "choose another alias")
+            unserved = [v for v, _ in rollout.versions if v not in served]
+            if unserved and not force:
+                raise ApiError(409, "version_not_served",
+                               f"no endpoint serves {', '.join(map(repr, unserved))}: their share of {alias!r} would "
+                               "be answered 503; check the names (GET /v1/models), or add ?force=true",
+                               {"unserved": unserved, "served": sorted(served)})
+            current = records.get(alias)
+            if current is None or current.rollout != rollout:
+                await self._change_rollout(records, StoredRollout(rollout, None if current is None
+                                                                  else current.rollout), "rollout set")
+            return rollout_out(records[alias], served)
+
+    async def delete_rollout(self, alias: str) -> RolloutOut:
+        """Remove ``alias``'s rollout (and its previous split): the alias resolves as before it had one."""
+        async with self._lock:
+            records = await self._rollout_records()
+            record = self._find_rollout(records, alias)
+            await self._commit(lambda s: s.delete_rollout(alias))
+            del records[alias]
+            self._publish_rollouts(records)
+            log.info("rollout deleted", extra={"alias": alias, "versions": dict(record.rollout.versions)})
+            return rollout_out(record, served_versions(self.controller.state))
+
+    async def rollback(self, alias: str) -> RolloutOut:
+        """Put the previous split back; the current one becomes the previous (a second rollback undoes it)."""
+        async with self._lock:
+            records = await self._rollout_records()
+            record = self._find_rollout(records, alias)
+            if record.previous is None:
+                raise ApiError(409, "no_previous_split", f"the rollout of {alias!r} has no previous split to "
+                               "roll back to (it was created by its only PUT)")
+            await self._change_rollout(records, StoredRollout(record.previous, record.rollout), "rollout rolled back")
+            return rollout_out(records[alias], served_versions(self.controller.state))
+
+    async def _change_rollout(self, records: dict[str, StoredRollout], record: StoredRollout, what: str) -> None:
+        await self._commit(lambda s: s.set_rollout(record))
+        records[record.alias] = record
+        self._publish_rollouts(records)
+        log.info(what, extra={"alias": record.alias, "versions": dict(record.rollout.versions),
+                              "sticky": record.rollout.sticky,
+                              "previous": None if record.previous is None else dict(record.previous.versions)})
+
+    def _publish_rollouts(self, records: Mapping[str, StoredRollout]) -> None:
+        rollouts = tuple(records[a].rollout for a in sorted(records))
+        self.controller.update(lambda state: dataclasses.replace(state, rollouts=rollouts))
+
     # -- usage for billing (control_plane/usage) ------------------------------------------------------
 
     async def usage(self, tenant: str | None, from_text: str | None, to_text: str | None,
@@ -551,6 +703,7 @@ class AdminService:
                 self.controller.update(_replace_endpoint(endpoint_id, draining=True))
                 self._start_removal(endpoint_id)
                 log.info("endpoint deregistered on another replica: draining", extra={"endpoint": endpoint_id})
+            self._rollouts = {r.alias: r for r in stored.rollouts}  # reconcile put the current ones in the state
             keys = {k.id: k for k in stored.api_keys}
             keys_changed = keys != self._api_keys
             if keys_changed:  # created or revoked on another replica
@@ -829,6 +982,44 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
         granularity: Granularity = "hour",
     ) -> UsageReport:
         return await service.usage(tenant, from_, to, granularity)
+
+    @app.get("/v1/models", response_model=ModelCatalogueOut, dependencies=read, tags=["models"],
+             summary="What the fleet serves: per model version its endpoints, whether routable, its aliases; "
+                     "and the rollouts", responses=_responses(E401, E503))
+    async def models() -> ModelCatalogueOut:
+        return await service.models()
+
+    @app.get("/v1/rollouts", response_model=RolloutList, dependencies=read, tags=["models"],
+             summary="Every rollout: an alias's traffic split over model versions", responses=_responses(E401, E503))
+    async def list_rollouts() -> RolloutList:
+        return await service.rollouts()
+
+    @app.post("/v1/rollouts/{alias:path}/rollback", response_model=RolloutOut, dependencies=write, tags=["models"],
+              summary="Put the previous split back (the current one becomes the previous: a second rollback "
+                      "goes forward again)", responses=_responses(E401, E404_ROLLOUT, E409_ROLLBACK, E422, E503))
+    async def rollback(alias: Alias) -> RolloutOut:
+        return await service.rollback(alias)
+
+    @app.get("/v1/rollouts/{alias:path}", response_model=RolloutOut, dependencies=read, tags=["models"],
+             summary="One rollout, with the split a rollback would put back",
+             responses=_responses(E401, E404_ROLLOUT, E422, E503))
+    async def get_rollout(alias: Alias) -> RolloutOut:
+        return await service.rollout(alias)
+
+    @app.put("/v1/rollouts/{alias:path}", response_model=RolloutOut, dependencies=write, tags=["models"],
+             summary="Set an alias's split over versions (canary, blue-green); the split it replaces is kept for a "
+                     "rollback. Refused (409) when a version is served by no endpoint, unless force",
+             responses=_responses(E400, E401, E409_ROLLOUT, E422, E503))
+    async def put_rollout(alias: Alias, body: RolloutPut,
+                          force: typing.Annotated[bool, Query(description="accept versions no endpoint serves "
+                                                                          "(yet)")] = False) -> RolloutOut:
+        return await service.set_rollout(alias, body, force)
+
+    @app.delete("/v1/rollouts/{alias:path}", response_model=RolloutOut, dependencies=write, tags=["models"],
+                summary="Remove a rollout: the alias resolves as the workers' alias again",
+                responses=_responses(E401, E404_ROLLOUT, E422, E503))
+    async def delete_rollout(alias: Alias) -> RolloutOut:
+        return await service.delete_rollout(alias)
 
     @app.get("/v1/dataplane", response_model=DataPlaneStatus, dependencies=read, tags=["dataplane"],
              summary="The data plane: envoy (xDS), or nginx with its applied config, reloads and last error",

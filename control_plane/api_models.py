@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from inferlb_runtime.api_keys import KEY_PREFIX, TENANT_PATTERN
+from inferlb_runtime.model_routing import MODEL_NAME_PATTERN, Sticky
 
 from .model import MAX_WEIGHT, MIN_WEIGHT, normalise_address
 
@@ -346,3 +347,55 @@ class NginxStatusOut(BaseModel):
 class DataPlaneStatus(BaseModel):
     mode: Literal["envoy", "nginx"]
     nginx: NginxStatusOut | None = Field(description="null in Envoy mode")
+
+
+# --- models and rollouts (issue 15) --------------------------------------------------------------------
+
+ModelName = Annotated[str, Field(pattern=MODEL_NAME_PATTERN.pattern, max_length=128)]
+Percent = Annotated[float, Field(strict=True, gt=0, le=100)]
+MAX_ROLLOUT_VERSIONS = 16
+
+
+class RolloutPut(_Request):
+    versions: dict[ModelName, Percent] = Field(
+        min_length=1, max_length=MAX_ROLLOUT_VERSIONS,
+        description="version id -> percent of the alias's requests; positive, summing to 100. The order given is "
+                    "the order requests' buckets are cut in (a sticky caller keeps its version while the split "
+                    "moves past other buckets)",
+        examples=[{"all-MiniLM-L6-v2-int8": 90, "all-MiniLM-L6-v2-fp32": 10}])
+    sticky: Sticky = Field("none", description="none: each request on its own; api_key: every request of one API "
+                                               "key lands on one version; user: the same per OpenAI 'user' field")
+
+
+class RolloutSplit(BaseModel):
+    versions: dict[str, float] = Field(description="version id -> percent, in order")
+    sticky: Sticky
+
+
+class RolloutOut(RolloutSplit):
+    alias: str = Field(description="the model name requests use", examples=["all-MiniLM-L6-v2"])
+    previous: RolloutSplit | None = Field(description="what POST .../rollback puts back; null: nothing")
+    unserved: list[str] = Field(description="versions of this split that no endpoint serves now (set with force, "
+                                            "or the fleet changed since): their share is answered 503")
+
+
+class RolloutList(BaseModel):
+    rollouts: list[RolloutOut] = Field(description="by alias")
+
+
+class ModelEndpointOut(BaseModel):
+    id: str = Field(description="host:port")
+    routable: bool = Field(description="gets new traffic: not draining and not unhealthy")
+    pool: str
+
+
+class ModelVersionOut(BaseModel):
+    id: str = Field(description="the version id", examples=["all-MiniLM-L6-v2-int8"])
+    aliases: list[str] = Field(description="the names it answers to, as the endpoints serving it report them")
+    routable: bool = Field(description="at least one endpoint serving it gets new traffic")
+    endpoints: list[ModelEndpointOut] = Field(description="every endpoint serving it, by id")
+
+
+class ModelCatalogueOut(BaseModel):
+    models: list[ModelVersionOut] = Field(description="every version some endpoint reports, by id")
+    rollouts: list[RolloutOut] = Field(description="by alias")
