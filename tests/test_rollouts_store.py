@@ -139,3 +139,75 @@ def test_restore_and_reconcile_put_the_current_splits_into_the_fleet_state() -> 
     again, _ = reconcile(state, stored)
     assert again == state  # idempotent
     assert reconcile(state, OperatorState())[0].rollouts == ()  # deleted elsewhere
+
+
+# --- through the admin service (in process, the app on httpx's ASGI transport) ---------------------------
+
+
+def test_a_rollout_set_on_one_replica_reaches_the_other_with_its_previous_split(postgres_url: str) -> None:
+    from .test_store_postgres import Replica, wait_async
+
+    path = f"/v1/rollouts/{FAMILY}"
+
+    async def scenario() -> None:
+        async with Replica(postgres_url, ["127.0.0.1:8101"]) as a, Replica(postgres_url, ["127.0.0.1:8101"]) as b, \
+                a.client() as ca, b.client() as cb:
+            # forced: these replicas scrape nothing, so no endpoint serves the versions
+            put = await ca.put(path, params={"force": "true"}, json={"versions": {INT8: 90, FP32: 10},
+                                                                     "sticky": "api_key"})
+            assert put.status_code == 200, put.text
+            await wait_async(lambda: b.controller.state.rollouts == (CANARY,), 10, "a's rollout on b")
+            put = await cb.put(path, params={"force": "true"}, json={"versions": {FP32: 100}})
+            assert put.status_code == 200 and put.json()["previous"]["versions"] == {INT8: 90.0, FP32: 10.0}
+            await wait_async(lambda: a.controller.state.rollouts == (FLIPPED,), 10, "b's split on a")
+            back = await ca.post(f"{path}/rollback")  # a rolls back what b set: it knows b's previous split
+            assert back.status_code == 200 and back.json()["previous"]["versions"] == {FP32: 100.0}
+            await wait_async(lambda: b.controller.state.rollouts == (CANARY,), 10, "the rollback on b")
+            assert (await cb.get(path)).json() == back.json()
+            assert (await cb.delete(path)).status_code == 200
+            await wait_async(lambda: a.controller.state.rollouts == (), 10, "the deletion on a")
+            assert (await ca.get(path)).status_code == 404
+
+    run(scenario())
+
+
+def test_a_failing_store_answers_503_and_the_rollouts_stay(tmp_path: Path) -> None:
+    import httpx
+
+    from control_plane.admin import AdminService, create_admin_app
+    from control_plane.auth import AdminToken
+    from control_plane.config import ControlPlaneConfig
+    from control_plane.controller import Controller
+    from control_plane.metrics import ControlPlaneMetrics
+    from control_plane.xds import SnapshotCache
+
+    class FailingWrites(Store):
+        """A real SQLite store whose writes fail (simulated: a disk that stopped taking them)."""
+
+        async def set_rollout(self, record: StoredRollout) -> None:
+            raise StoreError(f"{self.path}: disk I/O error")
+
+    async def scenario() -> None:
+        store = FailingWrites.open(tmp_path)
+        await Store.set_rollout(store, StoredRollout(CANARY))  # stored before the disk failed
+        controller = Controller(ControlPlaneConfig(endpoints=["127.0.0.1:8101"]), SnapshotCache(),
+                                state=FleetState(rollouts=(CANARY,)))
+        service = AdminService(controller, store)
+        app = create_admin_app(controller, ControlPlaneMetrics(lambda: controller.state), service,
+                               AdminToken("t" * 40, "config"))
+        transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 12345))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://admin",
+                                         headers={"Authorization": f"Bearer {'t' * 40}"}) as client:
+                response = await client.put(f"/v1/rollouts/{FAMILY}", params={"force": "true"},
+                                            json={"versions": {FP32: 100}})
+                assert response.status_code == 503 and response.json()["error"]["code"] == "store_unavailable"
+                assert "disk I/O error" in response.json()["error"]["detail"]["store"]
+                assert controller.state.rollouts == (CANARY,)
+                shown = (await client.get(f"/v1/rollouts/{FAMILY}")).json()
+                assert shown["versions"] == {INT8: 90.0, FP32: 10.0} and shown["previous"] is None
+        finally:
+            await service.stop()
+            store.close()
+
+    run(scenario())
