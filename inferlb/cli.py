@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from inferlb_runtime.model_routing import DEFAULT_POOL, POOL_PATTERN
+
 from .bench.cli import add_bench_parser
-from .components import DATAPLANES, StackPorts, stack_components
+from .components import DATAPLANES, DEFAULT_MODELS, StackPorts, WorkerOptions, stack_components, worker_component
+from .pool_scaler import ScalerSettings, elastic_pool, parse_bounds
 from .sim.cli import add_sim_parser
 from .stack_state import StackLock, StackRunning
 from .status import add_status_arguments, cmd_status
@@ -95,9 +100,52 @@ class StackSupervisor(Supervisor):
         print(self.text, flush=True)
 
 
+def autoscale_plan(args: argparse.Namespace) -> tuple[int, ScalerSettings | None]:
+    """(the fixed workers, the pool scaler's settings or None); ``ValueError`` for bad flags."""
+    if args.autoscale is None:
+        return args.workers or os.cpu_count() or 1, None
+    low, high = parse_bounds(args.autoscale)
+    if args.workers is not None:
+        raise ValueError("--workers and --autoscale do not go together: --autoscale MIN..MAX runs MIN fixed workers")
+    settings = ScalerSettings(pool=args.pool, min_workers=low, max_workers=high,
+                              scale_up_cooldown_s=args.scale_up_cooldown, scale_down_cooldown_s=args.scale_down_cooldown)
+    return low, settings
+
+
+def pool_env(settings: ScalerSettings, downscale_window_s: float | None) -> dict[str, str]:
+    """The control plane's settings for the pool: its signal within the same bounds (and window, if given)."""
+    prefix = f"INFERLB_CP_AUTOSCALE__POOLS__{settings.pool}__"
+    env = {f"{prefix}MIN_REPLICAS": str(settings.min_workers), f"{prefix}MAX_REPLICAS": str(settings.max_workers)}
+    if downscale_window_s is not None:
+        env[f"{prefix}DOWNSCALE_WINDOW_S"] = str(downscale_window_s)
+    return env
+
+
+def log_to_file(path: Path, loggers: Sequence[str]) -> None:
+    """Structured JSON lines of ``loggers`` (the pool scaler's decisions and steps) to ``path``."""
+    from pythonjsonlogger.json import JsonFormatter
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(JsonFormatter("{asctime}{levelname}{name}{message}", style="{", rename_fields={
+        "asctime": "ts", "levelname": "level", "name": "logger", "message": "msg"}))
+    for name in loggers:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     data_dir = (args.data_dir or default_data_dir()).resolve()
-    count = args.workers or os.cpu_count() or 1
+    try:
+        if not POOL_PATTERN.match(args.pool):
+            raise ValueError(f"--pool {args.pool!r} must be a Kubernetes name (lower-case letters, digits and '-', "
+                             "at most 63, starting and ending with a letter or digit)")
+        count, scaling = autoscale_plan(args)
+        models = tuple(m for m in args.models.split(",") if m) if args.models else ()
+    except ValueError as exc:
+        print(f"inferlb up: {exc}", file=sys.stderr)
+        return 2
     ports = StackPorts(args.listener_port, args.envoy_admin_port, args.xds_port, args.admin_port,
                        args.ext_proc_port, args.ext_proc_metrics_port)
     if args.require_api_keys and args.dataplane != "envoy":
@@ -110,17 +158,31 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"inferlb up: {exc}", file=sys.stderr)
         return 2
     try:
+        options = WorkerOptions(data_dir, models=models, precision=args.precision, pool=args.pool,
+                                config=args.config, simulate=args.simulate,
+                                extra_args=tuple(shlex.split(args.worker_args or "")))
         components = stack_components(workers=count, base_port=args.base_port, data_dir=data_dir, ports=ports,
-                                      precision=args.precision, config=args.config, dataplane=args.dataplane,
-                                      delta=args.delta, simulate=args.simulate,
-                                      require_api_keys=args.require_api_keys, quota_store=args.quota_store)
+                                      config=args.config, dataplane=args.dataplane, delta=args.delta,
+                                      require_api_keys=args.require_api_keys, quota_store=args.quota_store,
+                                      worker_options=options,
+                                      control_plane_env=pool_env(scaling, args.downscale_window) if scaling else None)
         worker_urls = [f"http://127.0.0.1:{port}" for port in range(args.base_port, args.base_port + count)]
+        if scaling is not None:
+            worker_urls.append(f"(pool {scaling.pool} scales {scaling.min_workers}..{scaling.max_workers}: "
+                               f"more from :{args.base_port + count})")
         links = stack_links(ports, args.dataplane, worker_urls, data_dir)
         plane = ", ext_proc and Envoy" if args.dataplane == "envoy" else " (it runs NGINX; no ext_proc, no Envoy)"
         kind = "simulated worker(s)" if args.simulate else "worker(s)"
         print(f"starting {count} {kind}, the control plane{plane}; data dir {data_dir}", flush=True)
         text = summary(ports, args.dataplane, links, data_dir, args.simulate, args.require_api_keys)
         supervisor = StackSupervisor(components, text, StackInfo(data_dir, args.dataplane, links))
+        if scaling is not None:
+            log_to_file(data_dir / "logs" / f"pool-scaler-{scaling.pool}.log",
+                        ("inferlb.pool_scaler", "inferlb_runtime.supervision"))
+            supervisor.background[f"pool-scaler:{scaling.pool}"] = elastic_pool(
+                supervisor, scaling, admin_url=f"http://127.0.0.1:{ports.control_plane_admin}", data_dir=data_dir,
+                fixed=count, first_port=args.base_port + count, component=lambda port: worker_component(port, options),
+                environ=os.environ)
         return asyncio.run(supervisor.run())
     finally:
         lock.release()
@@ -152,8 +214,28 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--simulate", action="store_true",
                     help="simulated workers: the real API and metrics, FIFO slots of a timed wait, dummy "
                     "vectors; no model needed (demos, tests)")
+    up.add_argument("--worker-args", metavar="ARGS",
+                    help="more flags for every worker, one string, e.g. \"--sim-fixed-ms 40\" (see python -m workers "
+                    "--help)")
     up.add_argument("--base-port", type=int, default=8101, help="first worker port (default 8101)")
-    up.add_argument("--precision", choices=["int8", "fp32"], default="int8", help="model precision (default int8)")
+    up.add_argument("--precision", choices=["int8", "fp32"], default="int8",
+                    help="model precision when --models is empty (default int8)")
+    up.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                    help="model versions each worker serves, comma-separated; the first one with an alias answers "
+                    f"it (default {','.join(DEFAULT_MODELS)}; '' for the worker's own default, --precision)")
+    up.add_argument("--autoscale", metavar="MIN..MAX",
+                    help="elastic pool: run MIN workers and add or remove workers up to MAX on the control plane's "
+                    "signal inferlb_autoscale_desired_replicas{pool} (the one an HPA uses); new workers are "
+                    "registered once warm, removed ones drained first")
+    up.add_argument("--pool", default=DEFAULT_POOL,
+                    help="the workers' pool (a Kubernetes name; default 'default'): what --autoscale scales")
+    up.add_argument("--scale-up-cooldown", type=float, default=5.0, metavar="S",
+                    help="--autoscale: seconds after a scale-up before the next one (default 5)")
+    up.add_argument("--scale-down-cooldown", type=float, default=30.0, metavar="S",
+                    help="--autoscale: seconds after any change before a scale-down (default 30)")
+    up.add_argument("--downscale-window", type=float, metavar="S",
+                    help="--autoscale: the control plane's scale-down smoothing window for the pool "
+                    "(default: [control_plane.autoscale] downscale_window_s, 300)")
     up.add_argument("--data-dir", type=Path, help="models, logs, state (default $INFERLB_DATA_DIR or ./.inferlb)")
     up.add_argument("--config", type=Path, help="TOML file ([worker], [control_plane] and [ext_proc] tables)")
     up.add_argument("--delta", action="store_true", help="Envoy uses incremental (delta) xDS instead of SotW")

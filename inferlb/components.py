@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from inferlb_runtime.model_routing import DEFAULT_POOL
+
 from .bootstrap import render_bootstrap
 from .supervisor import Component, PreStop
 
@@ -40,30 +42,52 @@ def _env(data_dir: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "INFERLB_DATA_DIR": str(data_dir), **extra}
 
 
-def worker_components(
-    count: int, base_port: int, data_dir: Path, precision: str, config: Path | None = None,
-    simulate: bool = False,
-) -> list[Component]:
-    extra = ["--config", str(config)] if config else []
-    if simulate:
-        extra.append("--simulate")
-    return [
-        Component(
-            name=f"worker:{port}",
-            argv=[sys.executable, "-m", "workers", "--port", str(port), "--precision", precision, "--threads", "1",
-                  *extra],
-            ready_url=f"http://127.0.0.1:{port}/readyz",
-            log_path=data_dir / "logs" / f"worker-{port}.log",
-            env=_env(data_dir),
-            group="workers",  # they stop together, each draining its own in-flight work
-        )
-        for port in range(base_port, base_port + count)
-    ]
+# What `inferlb up` serves by default: both versions of the model, int8 first (it answers the aliases).
+DEFAULT_MODELS = ("all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """How `inferlb up` runs each worker (the same for the fixed ones and those a pool scaler adds)."""
+
+    data_dir: Path
+    models: tuple[str, ...] = DEFAULT_MODELS  # empty: the worker's own default (its --precision)
+    precision: str = "int8"
+    pool: str = DEFAULT_POOL
+    config: Path | None = None
+    simulate: bool = False
+    extra_args: tuple[str, ...] = ()  # more worker flags, e.g. the simulation's costs
+
+
+def worker_component(port: int, options: WorkerOptions) -> Component:
+    """One worker on ``port``: it warms up its models before /readyz says ready."""
+    o = options
+    argv = [sys.executable, "-m", "workers", "--port", str(port), "--precision", o.precision, "--threads", "1"]
+    if o.models:
+        argv += ["--models", ",".join(o.models)]
+    if o.pool != DEFAULT_POOL:
+        argv += ["--pool", o.pool]
+    if o.config:
+        argv += ["--config", str(o.config)]
+    if o.simulate:
+        argv.append("--simulate")
+    return Component(
+        name=f"worker:{port}",
+        argv=[*argv, *o.extra_args],
+        ready_url=f"http://127.0.0.1:{port}/readyz",
+        log_path=o.data_dir / "logs" / f"worker-{port}.log",
+        env=_env(o.data_dir),
+        group="workers",  # they stop together, each draining its own in-flight work
+    )
+
+
+def worker_components(count: int, base_port: int, options: WorkerOptions) -> list[Component]:
+    return [worker_component(port, options) for port in range(base_port, base_port + count)]
 
 
 def control_plane_component(
     endpoints: list[str], data_dir: Path, ports: StackPorts, config: Path | None = None,
-    dataplane: str = "envoy", require_api_keys: bool = False,
+    dataplane: str = "envoy", require_api_keys: bool = False, extra_env: dict[str, str] | None = None,
 ) -> Component:
     """In nginx mode the control plane runs nginx itself and is ready once nginx serves a validated config."""
     argv = [sys.executable, "-m", "control_plane", "--xds-port", str(ports.xds),
@@ -81,7 +105,8 @@ def control_plane_component(
         log_path=data_dir / "logs" / "control-plane.log",
         env=_env(data_dir, INFERLB_CP_DATA_PLANE__LISTENER_PORT=str(ports.listener),
                  INFERLB_CP_DATA_PLANE__EXT_PROC_PORT=str(ports.ext_proc),
-                 **({"INFERLB_CP_DATA_PLANE__REQUIRE_API_KEYS": "true"} if require_api_keys else {})),
+                 **({"INFERLB_CP_DATA_PLANE__REQUIRE_API_KEYS": "true"} if require_api_keys else {}),
+                 **(extra_env or {})),
     )
 
 
@@ -155,14 +180,17 @@ def envoy_component(data_dir: Path, ports: StackPorts, delta: bool) -> Component
 def stack_components(
     *, workers: int, base_port: int, data_dir: Path, ports: StackPorts, precision: str = "int8",
     config: Path | None = None, dataplane: str = "envoy", delta: bool = False, simulate: bool = False,
-    require_api_keys: bool = False, quota_store: str | None = None,
+    require_api_keys: bool = False, quota_store: str | None = None, worker_options: WorkerOptions | None = None,
+    control_plane_env: dict[str, str] | None = None,
 ) -> list[Component]:
     """Readiness order: workers, control plane, then (Envoy mode) ext_proc and Envoy. Stop is the reverse."""
     if dataplane not in DATAPLANES:
         raise ValueError(f"dataplane must be one of {', '.join(DATAPLANES)}, got {dataplane!r}")
+    options = worker_options or WorkerOptions(data_dir, precision=precision, config=config, simulate=simulate)
     endpoints = [f"127.0.0.1:{port}" for port in range(base_port, base_port + workers)]
-    components = [*worker_components(workers, base_port, data_dir, precision, config, simulate),
-                  control_plane_component(endpoints, data_dir, ports, config, dataplane, require_api_keys)]
+    components = [*worker_components(workers, base_port, options),
+                  control_plane_component(endpoints, data_dir, ports, config, dataplane, require_api_keys,
+                                          control_plane_env)]
     if dataplane == "envoy":
         components += [ext_proc_component(data_dir, ports, config, require_api_keys, quota_store),
                        envoy_component(data_dir, ports, delta)]

@@ -42,6 +42,18 @@ class ComponentStatus:
 
 
 @dataclass(frozen=True)
+class PoolStatus:
+    """An elastic pool (`inferlb up --autoscale`): its bounds, its workers now and its last decision."""
+
+    name: str
+    min_workers: int
+    max_workers: int
+    size: int
+    target: int | None = None  # the control plane's signal clamped to the bounds; None: none yet
+    decision: str = ""  # e.g. "hold: scale-down cooldown"
+
+
+@dataclass(frozen=True)
 class StackStatus:
     supervisor_pid: int
     started_at: float
@@ -49,6 +61,7 @@ class StackStatus:
     dataplane: str
     components: tuple[ComponentStatus, ...] = ()
     links: dict[str, str] = field(default_factory=dict)  # what the summary printed: inference, admin, ...
+    pools: tuple[PoolStatus, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -57,7 +70,8 @@ class StackStatus:
     def from_json(cls, text: str) -> StackStatus:
         raw: dict[str, Any] = json.loads(text)
         components = tuple(ComponentStatus(**c) for c in raw.pop("components", []))
-        return cls(components=components, **raw)
+        pools = tuple(PoolStatus(**p) for p in raw.pop("pools", []))
+        return cls(components=components, pools=pools, **raw)
 
 
 def status_path(data_dir: Path) -> Path:

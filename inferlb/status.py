@@ -9,6 +9,7 @@ is not, 3 no stack runs on that data directory.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -94,6 +95,10 @@ def render(stack: StackStatus, observed: list[Observed], now: float) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+    for pool in stack.pools:
+        target = "-" if pool.target is None else str(pool.target)
+        lines.append(f"  pool {pool.name}: {pool.size} worker(s), autoscale {pool.min_workers}..{pool.max_workers}, "
+                     f"target {target} ({pool.decision or 'no decision yet'})")
     for name, url in stack.links.items():
         lines.append(f"  {name:<12} {url}")
     return "\n".join(lines)
@@ -109,6 +114,7 @@ def as_json(stack: StackStatus, observed: list[Observed], now: float) -> str:
             "uptime_s": round(now - o.status.started_at, 1) if o.alive and o.status.started_at else None,
             "url": o.status.url, "log": o.status.log,
         } for o in observed],
+        "pools": [dataclasses.asdict(pool) for pool in stack.pools],
     }, indent=2)
 
 

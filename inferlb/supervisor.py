@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from .stack_state import ComponentStatus, StackStatus, State, write_status
+from .stack_state import ComponentStatus, PoolStatus, StackStatus, State, write_status
 
 log = logging.getLogger("inferlb.up")
 
@@ -37,6 +37,8 @@ def _die_with_parent() -> None:
 
 
 PreStop = Callable[[], Awaitable[None]]
+# A task that runs while the stack is up (e.g. a pool scaler): given the stop event, it returns once it is set.
+Background = Callable[[asyncio.Event], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class Supervisor:
         }
         self._started_at = time.time()
         self._stopping = asyncio.Event()
+        self.background: dict[str, Background] = {}  # name -> task, started once everything is ready
+        self.pools: dict[str, PoolStatus] = {}
 
     # --- status ------------------------------------------------------------------------------
 
@@ -116,6 +120,7 @@ class Supervisor:
             write_status(self.info.data_dir, StackStatus(
                 supervisor_pid=os.getpid(), started_at=self._started_at, data_dir=str(self.info.data_dir),
                 dataplane=self.info.dataplane, components=tuple(self.status.values()), links=self.info.links,
+                pools=tuple(self.pools.values()),
             ))
         except OSError as exc:  # a full disk must not take the stack down
             log.warning("could not write the status file: %s", exc)
@@ -208,6 +213,52 @@ class Supervisor:
             except RuntimeError as exc:
                 self._set(name, "failed", str(exc))
 
+    # --- components added and removed while running (a pool scaler's workers) -------------------
+
+    async def start_component(self, spec: Component) -> asyncio.subprocess.Process:
+        """Spawn ``spec`` into the stack (status file, console line); the caller waits for it and owns it:
+        the supervisor does not restart it, but stops it with its group at the end."""
+        if spec.name in self.running:
+            raise ValueError(f"component {spec.name!r} is already running")
+        return await self._start(spec, 0)
+
+    async def component_ready(self, spec: Component) -> None:
+        """Wait for ``spec``'s readiness (RuntimeError if it exits or times out), then mark it ready."""
+        await self.wait_ready(spec, self.running[spec.name].process)
+        if self._stopping.is_set():
+            raise RuntimeError(f"{spec.name}: the stack is stopping")
+        self._mark_ready(spec)
+
+    async def stop_component(self, name: str) -> None:
+        """SIGTERM (after its pre-stop), wait, and forget ``name``: it leaves the status file."""
+        entry = self.running.get(name)
+        if entry is None:
+            return
+        await self._stop_one(entry)
+        self.running.pop(name, None)
+        self.status.pop(name, None)
+        self._write_status()
+
+    def set_pool(self, pool: PoolStatus) -> None:
+        """Record an elastic pool's state in the status file (`inferlb status` shows it)."""
+        if self.pools.get(pool.name) != pool:
+            self.pools[pool.name] = pool
+            self._write_status()
+
+    async def _run_background(self) -> list[asyncio.Task[None]]:
+        def ended(task: asyncio.Task[None]) -> None:  # no background task ends unnoticed
+            if task.cancelled() or self._stopping.is_set():
+                return
+            error = task.exception()
+            log.error("background task ended", exc_info=error, extra={"task": task.get_name()})
+            self.report(f"error: {task.get_name()} ended ({error!r}); stopping")
+            self.request_stop()
+
+        tasks = [asyncio.create_task(run(self._stopping), name=name) for name, run in self.background.items()]
+        for task in tasks:
+            task.add_done_callback(ended)
+        return tasks
+
     def request_stop(self) -> None:
         if not self._stopping.is_set():
             self.report("stopping: in reverse start order, each part's in-flight requests finish first")
@@ -253,16 +304,22 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self.request_stop)
         self._write_status()
+        background: list[asyncio.Task[None]] = []
         try:
             await self.start_all()
             if not self._stopping.is_set():
                 self.on_ready()
+                background = await self._run_background()
                 await self.watch()
             return 0
         except RuntimeError as exc:
             self.report(f"error: {exc}")
             return 1
         finally:
+            self._stopping.set()
+            for task in background:  # first: nothing may start or stop a worker while the stack stops
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
             await self.stop_all()
 
     def on_ready(self) -> None:

@@ -143,15 +143,16 @@ def test_the_lock_refuses_a_second_stack_on_one_data_dir(tmp_path: Path) -> None
 
 
 def test_the_status_file_round_trips_and_renders(tmp_path: Path) -> None:
-    from inferlb.stack_state import ComponentStatus, StackStatus, read_status, write_status
-    from inferlb.status import Observed, render
+    from inferlb.stack_state import ComponentStatus, PoolStatus, StackStatus, read_status, write_status
+    from inferlb.status import Observed, as_json, render
 
     stack = StackStatus(supervisor_pid=10, started_at=1000.0, data_dir=str(tmp_path), dataplane="envoy",
                         components=(ComponentStatus("worker:8101", "ready", "http://127.0.0.1:8101/readyz", "w.log",
                                                     pid=11, started_at=1000.0, crashes=2, restarts=2),
                                     ComponentStatus("envoy", "restarting", "http://127.0.0.1:9901/ready", "e.log",
                                                     pid=12, started_at=1100.0)),
-                        links={"inference": "http://127.0.0.1:10000/v1/embeddings"})
+                        links={"inference": "http://127.0.0.1:10000/v1/embeddings"},
+                        pools=(PoolStatus("default", 1, 4, 3, 3, "hold: at target"),))
     assert read_status(tmp_path) is None
     write_status(tmp_path, stack)
     assert read_status(tmp_path) == stack
@@ -162,6 +163,9 @@ def test_the_status_file_round_trips_and_renders(tmp_path: Path) -> None:
     assert "worker:8101  ready (crashed 2 times)  11   2m10s   http://127.0.0.1:8101/readyz" in text
     assert "envoy        restarting               12   -       http://127.0.0.1:9901/ready" in text
     assert "http://127.0.0.1:10000/v1/embeddings" in text
+    assert "pool default: 3 worker(s), autoscale 1..4, target 3 (hold: at target)" in text
+    assert json.loads(as_json(stack, observed, now=1130.0))["pools"] == [
+        {"name": "default", "min_workers": 1, "max_workers": 4, "size": 3, "target": 3, "decision": "hold: at target"}]
     assert [o.ok for o in observed] == [True, False]
     assert Observed(stack.components[0], alive=True, answers=False).state_text() == \
         "not answering (crashed 2 times)"
@@ -182,3 +186,47 @@ def test_up_refuses_an_unknown_dataplane_with_the_choices() -> None:
                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=60)
     assert out.returncode == 2
     assert "argument --dataplane: invalid choice: 'haproxy'" in out.stderr
+
+
+def test_up_serves_both_model_versions_and_names_the_pool(tmp_path: Path) -> None:
+    from inferlb.components import DEFAULT_MODELS, WorkerOptions, worker_component
+    from workers.__main__ import _serve_parser as worker_parser
+
+    worker = _stack(tmp_path)[0]
+    args = worker_parser().parse_args(list(worker.argv[3:]))
+    assert tuple(args.models.split(",")) == DEFAULT_MODELS == ("all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32")
+    assert "--pool" not in worker.argv  # the default pool: the worker's own default
+    batch = worker_component(8200, WorkerOptions(tmp_path, pool="batch", models=(), simulate=True))
+    args = worker_parser().parse_args(list(batch.argv[3:]))
+    assert (args.pool, args.simulate, args.models) == ("batch", True, None)
+
+
+def test_up_autoscale_flags_become_a_scaler_and_the_control_planes_pool_bounds(tmp_path: Path) -> None:
+    from control_plane.config import load_config
+    from inferlb.cli import autoscale_plan, build_parser, pool_env
+
+    args = build_parser().parse_args(["up", "--autoscale", "2..5", "--pool", "batch", "--scale-down-cooldown", "10"])
+    fixed, settings = autoscale_plan(args)
+    assert fixed == 2 and settings is not None
+    assert (settings.pool, settings.min_workers, settings.max_workers, settings.scale_up_cooldown_s,
+            settings.scale_down_cooldown_s) == ("batch", 2, 5, 5.0, 10.0)
+    env = pool_env(settings, downscale_window_s=20.0)
+    with pytest.MonkeyPatch.context() as m:
+        for name, value in env.items():
+            m.setenv(name, value)
+        bounds = load_config(None, {}).autoscale.pool_settings()["batch"]
+    assert (bounds.min_replicas, bounds.max_replicas, bounds.downscale_window_s) == (2, 5, 20.0)
+    assert autoscale_plan(build_parser().parse_args(["up", "--workers", "3"])) == (3, None)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--autoscale", "3..1"], "need 1 <= MIN <= MAX"),
+    (["--autoscale", "1..3", "--workers", "2"], "--workers and --autoscale do not go together"),
+    (["--autoscale", "two"], "--autoscale takes MIN..MAX"),
+    (["--pool", "Batch_1"], "--pool 'Batch_1' must be a Kubernetes name"),
+])
+def test_up_refuses_bad_autoscale_flags_saying_why(argv: list[str], message: str, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "inferlb.cli", "up", "--data-dir", str(tmp_path), *argv],
+                         cwd=ROOT, capture_output=True, text=True, check=False, timeout=60)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not (tmp_path / "logs").exists()  # refused before anything started
