@@ -347,16 +347,14 @@ class MicroBatcher:
 
     async def _execute(self, batch: list[_Item]) -> None:
         loop = asyncio.get_running_loop()
-        start = time.perf_counter()
-        for item in batch:
-            item.started = start
-            self.observer.queue_wait(start - item.enqueued, item.priority)
         tokens = [item.tokens for item in batch]
         self._busy = True
         self._running, self._running_items = loop.create_future(), frozenset(id(item) for item in batch)
+        submitted = time.perf_counter()
         try:
-            vectors = await loop.run_in_executor(self.executor, self.run_batch, tokens)
+            vectors, start, finished = await loop.run_in_executor(self.executor, self._timed_run, tokens)
         except Exception as exc:  # a failed batch fails its requests, never the worker
+            self._waited(batch, submitted)
             for item in batch:
                 if not item.future.done():
                     item.future.set_exception(exc)
@@ -365,7 +363,7 @@ class MicroBatcher:
             self._busy = False
             self._running.set_result(None)
             self._running, self._running_items = None, frozenset()
-        finished = time.perf_counter()
+        self._waited(batch, start)
         seconds = finished - start
         padded = max(len(t) for t in tokens) * len(tokens)
         self.cost.observe(padded, seconds)
@@ -376,3 +374,16 @@ class MicroBatcher:
             item.finished = finished
             if not item.future.done():
                 item.future.set_result(row)
+
+    def _timed_run(self, tokens: list[Sequence[int]]) -> tuple[np.ndarray, float, float]:
+        """``run_batch`` with its start and end, timed on the inference thread: when that thread is shared
+        (one batcher per model), a batch's wait for it is queueing, not compute, and must not reach the
+        cost model."""
+        start = time.perf_counter()
+        vectors = self.run_batch(tokens)
+        return vectors, start, time.perf_counter()
+
+    def _waited(self, batch: list[_Item], start: float) -> None:
+        for item in batch:
+            item.started = start
+            self.observer.queue_wait(start - item.enqueued, item.priority)
