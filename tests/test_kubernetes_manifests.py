@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import typing
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,6 +20,7 @@ from ext_proc.config import ExtProcConfig
 from ext_proc.config import load_config as load_ext_proc_config
 from inferlb.bootstrap import render_bootstrap
 from workers.config import WorkerConfig
+from workers.__main__ import _serve_parser as worker_parser
 from workers.config import load_config as load_worker_config
 
 from .conftest import ROOT
@@ -67,14 +69,25 @@ def check_selectors(docs: list[dict[str, Any]]) -> list[str]:
         selector = service["spec"]["selector"]
         targets = [d for d in deployments
                    if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
-        if len(targets) != 1:
-            problems.append(f"Service {service['metadata']['name']} selects {len(targets)} Deployments")
+        if not targets:  # several: the workers' Service selects every pool's Deployment
+            problems.append(f"Service {service['metadata']['name']} selects 0 Deployments")
             continue
-        names = {p["name"] for c in containers(targets[0]).values() for p in c.get("ports", [])}
-        for p in service["spec"]["ports"]:
-            if p["targetPort"] not in names:
-                problems.append(f"Service {service['metadata']['name']} targets missing port {p['targetPort']}")
+        for target in targets:
+            names = {p["name"] for c in containers(target).values() for p in c.get("ports", [])}
+            for p in service["spec"]["ports"]:
+                if p["targetPort"] not in names:
+                    problems.append(f"Service {service['metadata']['name']} targets missing port {p['targetPort']} "
+                                    f"in {target['metadata']['name']}")
     return problems
+
+
+def worker_deployments(docs: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """pool -> its workers' Deployment (the pods running ``python -m workers``), by the pool they report."""
+    pools = {}
+    for d in docs or documents():
+        if d["kind"] == "Deployment" and "worker" in containers(d):
+            pools[load_worker_config(environ=env(containers(d)["worker"])).pool] = d
+    return pools
 
 
 # --- schemas ------------------------------------------------------------------------------------------
@@ -140,9 +153,13 @@ def test_control_plane_settings_are_valid_and_match_the_services(monkeypatch: py
     for name in values:  # pydantic-settings ignores unknown variables: a typo must not pass silently
         path = name.removeprefix("INFERLB_CP_").lower().split("__")
         fields: Any = ControlPlaneConfig.model_fields
-        for part in path[:-1]:
-            fields = fields[part].annotation.model_fields
-        assert path[-1] in fields, f"{name} is no control-plane setting"
+        while len(path) > 1:
+            annotation = fields[path.pop(0)].annotation
+            if typing.get_origin(annotation) is dict:  # a table of named entries: the name, then the entry's
+                path.pop(0)
+                annotation = typing.get_args(annotation)[1]
+            fields = annotation.model_fields
+        assert path[0] in fields, f"{name} is no control-plane setting"
     _set_env(monkeypatch, values)
     config = load_control_plane_config(None, {})
     assert config.kubernetes_service == f"{NAMESPACE}/inferlb-worker"
@@ -180,20 +197,46 @@ def test_workers_match_the_worker_defaults() -> None:
     assert pod["terminationGracePeriodSeconds"] > pre_stop + config.shutdown_timeout_s
 
 
-def test_hpa_scales_the_workers_on_the_control_planes_signal() -> None:
-    hpa = find("HorizontalPodAutoscaler", "inferlb-worker")
-    assert hpa["apiVersion"] == "autoscaling/v2"
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": find("Deployment", "inferlb-worker")["metadata"]["name"]}
-    [metric] = hpa["spec"]["metrics"]
-    assert metric["type"] == "External"
-    assert metric["external"]["metric"]["name"] == DESIRED_REPLICAS_METRIC
-    # AverageValue 1: the HPA's ceil(metric / averageValue) is the signal itself
-    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
-    values = env(containers(find("Deployment", "inferlb-control-plane"))["control-plane"],
-                 POD_NAMESPACE=NAMESPACE)
-    assert int(values["INFERLB_CP_AUTOSCALE__MIN_REPLICAS"]) == hpa["spec"]["minReplicas"]
-    assert int(values["INFERLB_CP_AUTOSCALE__MAX_REPLICAS"]) == hpa["spec"]["maxReplicas"]
+def test_one_deployment_and_one_hpa_per_pool_on_the_pools_signal() -> None:
+    docs = documents()
+    pools = worker_deployments(docs)
+    assert set(pools) == {"default", "batch"}
+    hpas = [d for d in docs if d["kind"] == "HorizontalPodAutoscaler"]
+    assert len(hpas) == len(pools)
+    values = env(containers(find("Deployment", "inferlb-control-plane"))["control-plane"], POD_NAMESPACE=NAMESPACE)
+    with pytest.MonkeyPatch.context() as m:
+        _set_env(m, values)
+        autoscale = load_control_plane_config(None, {}).autoscale
+    for hpa in hpas:
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        [metric] = hpa["spec"]["metrics"]
+        assert metric["type"] == "External"
+        assert metric["external"]["metric"]["name"] == DESIRED_REPLICAS_METRIC
+        # AverageValue 1: the HPA's ceil(metric / averageValue) is the signal itself
+        assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "1"}
+        [(label, pool)] = metric["external"]["metric"]["selector"]["matchLabels"].items()
+        assert label == "pool"  # the control plane's label (control_plane/metrics.py)
+        deployment = pools[pool]
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                                 "name": deployment["metadata"]["name"]}
+        # the pool's own signal is bounded as its HPA is
+        bounds = autoscale.pool_settings().get(pool, autoscale.settings())
+        assert (bounds.min_replicas, bounds.max_replicas) == (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"])
+
+
+def test_pools_deployments_select_apart_and_the_workers_service_selects_every_pool() -> None:
+    pools = worker_deployments()
+    service = find("Service", "inferlb-worker")["spec"]["selector"]
+    for pool, deployment in pools.items():
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"] == labels and labels["inferlb.io/pool"] == pool
+        assert service.items() <= labels.items()
+        for other_pool, other in pools.items():  # no Deployment adopts another pool's pods
+            if other_pool != pool:
+                assert not deployment["spec"]["selector"]["matchLabels"].items() <= \
+                    other["spec"]["template"]["metadata"]["labels"].items()
+        args = worker_parser().parse_args(containers(deployment)["worker"]["command"][3:])
+        assert args.models  # each pool says which versions it serves
 
 
 def test_envoy_pod_runs_the_rendered_bootstrap_and_ext_proc_as_a_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
