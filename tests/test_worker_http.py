@@ -46,7 +46,9 @@ def test_embeddings_match_the_reference(worker: WorkerProcess, reference: dict) 
     response = post(worker, {"model": "all-MiniLM-L6-v2", "input": [it["text"] for it in items]})
     assert response.status_code == 200, response.text
     doc = response.json()
-    assert doc["object"] == "list" and doc["model"] == "all-MiniLM-L6-v2"
+    # The version that served, named in the body and the header: the worker's one version (int8 by default).
+    assert doc["object"] == "list" and doc["model"] == "all-MiniLM-L6-v2-int8"
+    assert response.headers["x-inferlb-model"] == "all-MiniLM-L6-v2-int8"
     assert [d["index"] for d in doc["data"]] == list(range(len(items)))
     for item, data in zip(items, doc["data"]):
         assert len(data["embedding"]) == 384
@@ -137,7 +139,7 @@ def test_the_worker_survives_bad_input(worker: WorkerProcess) -> None:
 def test_models_health_and_readiness(worker: WorkerProcess) -> None:
     models = httpx.get(f"{worker.url}/v1/models", timeout=10).json()
     assert models["object"] == "list"
-    assert [m["id"] for m in models["data"]] == ["all-MiniLM-L6-v2"]
+    assert [m["id"] for m in models["data"]] == ["all-MiniLM-L6-v2-int8"]
     assert httpx.get(f"{worker.url}/healthz", timeout=10).status_code == 200
     ready = httpx.get(f"{worker.url}/readyz", timeout=10)
     assert ready.status_code == 200 and ready.json()["status"] == "ready"

@@ -16,7 +16,8 @@ from workers.app import create_app
 from workers.config import WorkerConfig
 from workers.engine import Engine
 from workers.model_store import prepare_models
-from workers.service import EmbeddingService, ModelInfo
+from workers.model_catalog import KNOWN_VERSIONS
+from workers.service import EmbeddingService
 from workers.tokenization import load_tokenizer
 
 from .conftest import free_port, running_worker, wait_until
@@ -48,38 +49,65 @@ async def _poll(predicate, timeout: float, what: str):  # type: ignore[no-untype
     return result
 
 
-def _service(data_dir: Path, engine_factory) -> EmbeddingService:  # type: ignore[no-untyped-def]
+async def _readyz_saying(http: httpx.AsyncClient, url: str, reason: str) -> httpx.Response:
+    """The first ``/readyz`` answer whose reason contains ``reason`` (polled: the server may not listen yet)."""
+
+    async def saying() -> httpx.Response | None:
+        try:
+            r = await http.get(f"{url}/readyz")
+        except httpx.TransportError:
+            return None
+        return r if reason in r.json().get("reason", "") else None
+
+    return await _poll(saying, 60, f"/readyz to say {reason!r}")
+
+
+def _service(data_dir: Path, engine_factory, models: tuple[str, ...] = ("all-MiniLM-L6-v2-int8",)):  # type: ignore[no-untyped-def]
     artifacts = prepare_models(data_dir)
-    model = ModelInfo(artifacts.model_name, artifacts.max_tokens, artifacts.dimensions)
-    return EmbeddingService(WorkerConfig(data_dir=data_dir), model, load_tokenizer(artifacts.tokenizer), engine_factory)
+    return EmbeddingService(WorkerConfig(data_dir=data_dir, models=models), [KNOWN_VERSIONS[m].info for m in models],
+                            load_tokenizer(artifacts.tokenizer), engine_factory)
 
 
-def test_ready_only_after_warm_up_inference_passes(data_dir: Path) -> None:
+class _CountingEngine:
+    """A real engine that counts the batches it ran."""
+
+    def __init__(self, path: Path) -> None:
+        self.engine = Engine(path)
+        self.batches = 0
+
+    @property
+    def dimensions(self) -> int:
+        return self.engine.dimensions
+
+    def embed(self, batch):  # type: ignore[no-untyped-def]
+        self.batches += 1
+        return self.engine.embed(batch)
+
+
+@pytest.mark.parametrize("models", [("all-MiniLM-L6-v2-int8",), ("all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32")])
+def test_ready_only_once_every_model_is_loaded_and_warmed_up(data_dir: Path, models: tuple[str, ...]) -> None:
+    """While the last version's engine is held back the worker stays unready, though the versions before it are
+    loaded and warmed up; ready means every version ran a warm-up inference."""
     gate = threading.Event()
     artifacts = prepare_models(data_dir)
+    engines: dict[str, _CountingEngine] = {}
 
-    def gated_engine() -> Engine:
-        assert gate.wait(60), "test never opened the gate"
-        return Engine(artifacts.int8)
+    def engine_factory(model) -> _CountingEngine:  # type: ignore[no-untyped-def]
+        if model.name == models[-1]:
+            assert gate.wait(60), "test never opened the gate"
+        engines[model.name] = _CountingEngine(artifacts.fp32 if model.name.endswith("fp32") else artifacts.int8)
+        return engines[model.name]
 
     async def main() -> None:
-        service = _service(data_dir, gated_engine)
+        service = _service(data_dir, engine_factory, models)
         port = free_port()
         server, task = await _serve_in_process(service, port)
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient(timeout=30) as http:
-
-                async def listening() -> bool:
-                    try:
-                        return (await http.get(f"{url}/healthz")).status_code == 200
-                    except httpx.TransportError:
-                        return False
-
-                await _poll(listening, 30, "the server to listen")
-                not_ready = await http.get(f"{url}/readyz")
+                not_ready = await _readyz_saying(http, url, f"warming up {models[-1]}")
                 assert not_ready.status_code == 503
-                assert not_ready.json()["reason"] == "warming up"
+                assert all(engines[m].batches >= 1 for m in models[:-1])  # warmed up, and still not ready
                 early = await http.post(f"{url}/v1/embeddings", json={"input": "too early"})
                 assert early.status_code == 503 and early.json()["error"]["code"] == "not_ready"
 
@@ -88,8 +116,9 @@ def test_ready_only_after_warm_up_inference_passes(data_dir: Path) -> None:
                 async def ready() -> bool:
                     return (await http.get(f"{url}/readyz")).status_code == 200
 
-                await _poll(ready, 60, "readiness after warm-up")
-                assert service.metrics.tokens._value.get() > 0  # the warm-up batch really ran
+                await _poll(ready, 60, "readiness after every warm-up")
+                assert all(engines[m].batches >= 1 for m in models)  # the warm-up batches really ran
+                assert (await http.get(f"{url}/readyz")).json()["models"] == list(models)
                 ok = await http.post(f"{url}/v1/embeddings", json={"input": "now"})
                 assert ok.status_code == 200
         finally:
@@ -105,21 +134,13 @@ def test_a_failed_warm_up_keeps_the_worker_unready(data_dir: Path, tmp_path: Pat
     broken.write_bytes(b"not an onnx model")
 
     async def main() -> None:
-        service = _service(data_dir, lambda: Engine(broken))
+        service = _service(data_dir, lambda model: Engine(broken))
         port = free_port()
         server, task = await _serve_in_process(service, port)
         url = f"http://127.0.0.1:{port}"
         try:
             async with httpx.AsyncClient(timeout=30) as http:
-
-                async def failed() -> httpx.Response | None:
-                    try:
-                        r = await http.get(f"{url}/readyz")
-                    except httpx.TransportError:
-                        return None
-                    return r if "failed" in r.json()["reason"] else None
-
-                response = await _poll(failed, 60, "warm-up to fail")
+                response = await _readyz_saying(http, url, "failed")
                 assert response.status_code == 503
                 assert "warm-up failed" in response.json()["reason"]
                 assert (await http.get(f"{url}/healthz")).status_code == 200

@@ -153,3 +153,42 @@ def test_help_documents_the_slot_flags() -> None:
     done = subprocess.run([sys.executable, "-m", "workers", "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "--sim-slots" in done.stdout and "--sim-cost-scale" in done.stdout
+
+
+def test_a_simulated_worker_serves_versions_at_their_own_cost(tmp_path: Path) -> None:
+    """Two versions on one slot: fp32 costs 3x (--model-cost), each names itself, their vectors differ, an
+    unknown model is a 404 and the per-version metrics count."""
+    int8, fp32 = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32"
+    args = ("--sim-fixed-ms", "100", "--sim-per-token-us", "0", "--models", f"{int8},{fp32}",
+            "--model-cost", f"{fp32}=3", "--pool", "sim")
+    with running_sim_workers(tmp_path, 1, args=args) as (w,), httpx.Client(timeout=30, trust_env=False) as client:
+        answers = {}
+        for model, headers in ((None, {}), (fp32, {}), (int8, {"x-inferlb-model": fp32})):
+            body = {"input": "hello world"} if model is None else {"input": "hello world", "model": model}
+            response = client.post(f"{w.url}/v1/embeddings", json=body, headers=headers)
+            assert response.status_code == 200, response.text
+            answers[(model, headers.get("x-inferlb-model"))] = response
+        default, by_body, by_header = answers.values()
+        assert [(r.json()["model"], r.headers["x-inferlb-model"]) for r in (default, by_body, by_header)] == [
+            (int8, int8), (fp32, fp32), (fp32, fp32)]
+        assert timing(default)["compute"] >= 100.0 and timing(by_body)["compute"] >= 300.0  # hard lower bounds
+        assert by_body.json()["data"] == by_header.json()["data"] != default.json()["data"]
+        missing = client.post(f"{w.url}/v1/embeddings", json={"input": "x", "model": "gpt-4"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert [m["id"] for m in client.get(f"{w.url}/v1/models").json()["data"]] == [int8, fp32]
+        samples = w.metrics()
+    assert sample(samples, "inferlb_worker_model_requests_total", model=fp32, code="200") == 2
+    assert sample(samples, "inferlb_worker_model_requests_total", model=int8, code="200") == 1
+    assert sample(samples, "inferlb_worker_pool_info", pool="sim") == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--simulate", "--model-cost", "all-MiniLM-L6-v2-fp32=2"), "names 'all-MiniLM-L6-v2-fp32', which this worker does not serve"),
+    (("--simulate", "--model-cost", "all-MiniLM-L6-v2-int8=0"), "is not VERSION=SCALE with SCALE > 0"),
+    (("--simulate", "--model-cost", "two"), "is not VERSION=SCALE"),
+    (("--model-cost", "all-MiniLM-L6-v2-int8=2"), "--model-cost needs --simulate"),
+])
+def test_bad_model_costs_exit_2_with_a_message(args: tuple[str, ...], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "workers", *args, "--port", "1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import WorkerConfig, load_config
+from .model_catalog import KNOWN_VERSIONS, ModelInfo
 from .queue_order import SCHEDULINGS, QueueOrder, Scheduling
 from .simulated import (
     DEFAULT_FIXED_S,
@@ -16,12 +17,11 @@ from .simulated import (
     Simulation,
     SimulatedEngine,
     SlotScheduler,
+    parse_model_costs,
     parse_speed_schedule,
 )
 
 log = logging.getLogger("inferlb.worker")
-
-MODEL_ALIASES = ("sentence-transformers/all-MiniLM-L6-v2",)
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -39,7 +39,14 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8101)")
     p.add_argument("--data-dir", type=Path, help="model cache and state (default $INFERLB_DATA_DIR or ./.inferlb)")
-    p.add_argument("--precision", choices=["int8", "fp32"], help="model precision (default int8)")
+    p.add_argument("--precision", choices=["int8", "fp32"],
+                   help="the precision of the model version served when --models is not given (default int8)")
+    p.add_argument("--models", metavar="VERSION,...",
+                   help="model versions to serve, comma-separated, the first answering requests that name no model "
+                        f"(known: {', '.join(KNOWN_VERSIONS)}; default: the version of --precision). A request's "
+                        "x-inferlb-model header, else its body's model (a version or an alias such as "
+                        "all-MiniLM-L6-v2: the first version with it), picks the version")
+    p.add_argument("--pool", help="the pool this worker belongs to, a Kubernetes name (default 'default')")
     p.add_argument("--threads", dest="intra_op_threads", type=int, help="ONNX Runtime intra-op threads (default 1)")
     p.add_argument("--spinning", dest="allow_spinning", action="store_true", default=None,
                    help="let ONNX Runtime threads spin (off by default: workers share cores)")
@@ -81,6 +88,9 @@ def _serve_parser() -> argparse.ArgumentParser:
                           "bottleneck (default 1)")
     sim.add_argument("--sim-slots", type=int, default=1, metavar="K",
                      help="requests served at once; the rest wait in class order (default 1)")
+    sim.add_argument("--model-cost", action="append", default=[], metavar="VERSION=X",
+                     help="multiply the simulated cost of one served version, e.g. all-MiniLM-L6-v2-fp32=2.0 "
+                          "(repeat or comma-separate; default 1 each); the versions share the slots")
     return p
 
 
@@ -103,39 +113,49 @@ def prepare(argv: Sequence[str]) -> int:
     return 0
 
 
+def served_models(config: WorkerConfig) -> list[ModelInfo]:
+    """The catalogue entries of the versions ``config`` serves, in its order."""
+    return [KNOWN_VERSIONS[name].info for name in config.served_models]
+
+
 def build_service(config: WorkerConfig):  # type: ignore[no-untyped-def]
-    """Load the tokenizer now and the engine at warm-up, from the prepared models."""
+    """Load the tokenizer now and each version's engine at warm-up, from the prepared models."""
+    import dataclasses
+
     from .engine import Engine
     from .model_store import prepare_models
-    from .service import EmbeddingService, ModelInfo
+    from .service import EmbeddingService
     from .tokenization import load_tokenizer
 
     artifacts = prepare_models(config.data_dir, progress=lambda msg: log.info(msg))
-    model_path = artifacts.int8 if config.precision == "int8" else artifacts.fp32
-    model = ModelInfo(artifacts.model_name, artifacts.max_tokens, artifacts.dimensions, MODEL_ALIASES)
+    paths = {"int8": artifacts.int8, "fp32": artifacts.fp32}
+    models = [dataclasses.replace(model, max_tokens=artifacts.max_tokens, dimensions=artifacts.dimensions)
+              for model in served_models(config)]
 
-    def engine_factory() -> Engine:
-        return Engine(model_path, intra_op_threads=config.intra_op_threads, allow_spinning=config.allow_spinning)
+    def engine_factory(model: ModelInfo) -> Engine:
+        return Engine(paths[KNOWN_VERSIONS[model.name].precision], intra_op_threads=config.intra_op_threads,
+                      allow_spinning=config.allow_spinning)
 
-    return EmbeddingService(config, model, load_tokenizer(artifacts.tokenizer, artifacts.max_tokens), engine_factory)
+    return EmbeddingService(config, models, load_tokenizer(artifacts.tokenizer, artifacts.max_tokens), engine_factory)
 
 
-def build_simulated_service(config: WorkerConfig, simulation: Simulation, slots: int = 1):  # type: ignore[no-untyped-def]
+def build_simulated_service(config: WorkerConfig, simulation: Simulation, slots: int = 1,  # type: ignore[no-untyped-def]
+                            model_costs: dict[str, float] | None = None):
     """The real service around a simulated engine; needs only the packaged tokenizer, not the ONNX build."""
     from .model_files import find_packaged_model
-    from .service import EmbeddingService, ModelInfo
+    from .service import EmbeddingService
     from .tokenization import load_tokenizer
 
-    model = ModelInfo("all-MiniLM-L6-v2", 256, 384, MODEL_ALIASES)
-    tokenizer = load_tokenizer(find_packaged_model().tokenizer, model.max_tokens)
+    models = served_models(config)
+    tokenizer = load_tokenizer(find_packaged_model().tokenizer, models[0].max_tokens)
 
     def scheduler(metrics):  # type: ignore[no-untyped-def]
         return SlotScheduler(simulation, slots=slots, observer=metrics, max_queue_items=config.max_queue_items,
-                             dimensions=model.dimensions,
-                             order=QueueOrder(Scheduling(config.scheduling), config.aging_s))
+                             dimensions=models[0].dimensions,
+                             order=QueueOrder(Scheduling(config.scheduling), config.aging_s), model_costs=model_costs)
 
     # Utilisation is busy slot time over the K slots: 1.0 means every slot is always busy.
-    return EmbeddingService(config, model, tokenizer, lambda: SimulatedEngine(simulation, model.dimensions),
+    return EmbeddingService(config, models, tokenizer, lambda model: SimulatedEngine(simulation, model.dimensions),
                             cpu_seconds=lambda: simulation.busy_seconds() / slots, scheduler_factory=scheduler)
 
 
@@ -145,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return prepare(argv[1:])
     args = _serve_parser().parse_args(argv)
     sim_flags = ("simulate", "speed", "speed_schedule", "sim_fixed_ms", "sim_per_token_us", "sim_cost_scale",
-                 "sim_slots")
+                 "sim_slots", "model_cost")
     overrides = {k: v for k, v in vars(args).items() if k != "config" and k not in sim_flags}
     try:
         config = load_config(args.config, overrides)
@@ -158,18 +178,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             speed=args.speed, fixed_s=args.sim_fixed_ms / 1000 * scale, per_token_s=args.sim_per_token_us / 1e6 * scale,
             schedule=parse_speed_schedule(args.speed_schedule),
         ) if args.simulate else None
+        if args.model_cost and not args.simulate:
+            raise ValueError("--model-cost needs --simulate: a real model costs what it costs")
+        model_costs = parse_model_costs(args.model_cost, config.served_models)
     except (ValueError, OSError) as exc:
         print(f"python -m workers: {exc}", file=sys.stderr)
         return 2
     from .server import configure_logging, serve
 
     configure_logging(config.log_level, component=f"worker:{config.port}")
-    log.info("starting", extra={"host": config.host, "port": config.port, "precision": config.precision,
-                                "threads": config.intra_op_threads, "simulate": args.simulate})
+    log.info("starting", extra={"host": config.host, "port": config.port, "models": list(config.served_models),
+                                "pool": config.pool, "threads": config.intra_op_threads, "simulate": args.simulate})
     if simulation is not None:
         from .app import simulation_routes
 
-        serve(config, build_simulated_service(config, simulation, args.sim_slots), simulation_routes(simulation))
+        serve(config, build_simulated_service(config, simulation, args.sim_slots, model_costs),
+              simulation_routes(simulation))
     else:
         serve(config, build_service(config))
     return 0

@@ -108,14 +108,15 @@ def create_app(
         return Response(reply.body, reply.status, media_type=JSON, headers=reply.headers)
 
     async def models(request: Request) -> Response:
-        return Response(models_response([service.model.name], service.created), media_type=JSON)
+        return Response(models_response(service.models, service.created), media_type=JSON)
 
     async def healthz(request: Request) -> Response:
         return Response(orjson.dumps({"status": "alive"}), media_type=JSON)
 
     async def readyz(request: Request) -> Response:
         if service.ready:
-            return Response(orjson.dumps({"status": "ready", "model": service.model.name}), media_type=JSON)
+            names = [model.name for model in service.models]
+            return Response(orjson.dumps({"status": "ready", "model": names[0], "models": names}), media_type=JSON)
         return Response(
             orjson.dumps({"status": "not ready", "reason": service.not_ready_reason}), 503, media_type=JSON
         )

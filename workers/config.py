@@ -12,11 +12,12 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
+from inferlb_runtime.model_routing import DEFAULT_POOL, POOL_PATTERN
+
+from .model_catalog import Precision, check_versions, default_version
 from .queue_order import AGING_S, SCHEDULINGS
-
-Precision = Literal["int8", "fp32"]
 
 ENV_PREFIX = "INFERLB_WORKER_"
 
@@ -31,7 +32,13 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 8101
     data_dir: Path = field(default_factory=default_data_dir)
+    # The precision of the version served when ``models`` names none (the flag worked so before versions).
     precision: Precision = "int8"
+    # The model versions served (workers/model_catalog.py), the first answering requests that name none;
+    # empty: the one version of ``precision``.
+    models: tuple[str, ...] = ()
+    # The pool: the group of workers that scale together (it names a Kubernetes Deployment).
+    pool: str = DEFAULT_POOL
     # ONNX Runtime threads. Two 1-thread workers beat one 2-thread worker here.
     intra_op_threads: int = 1
     allow_spinning: bool = False
@@ -67,6 +74,15 @@ class WorkerConfig:
             problems.append(f"port must be 1..65535, got {self.port}")
         if self.precision not in ("int8", "fp32"):
             problems.append(f"precision must be int8 or fp32, got {self.precision!r}")
+        object.__setattr__(self, "models", tuple(self.models))  # a list from code or TOML: still frozen
+        if self.models:
+            try:
+                check_versions(self.models)
+            except ValueError as exc:
+                problems.append(str(exc))
+        if not isinstance(self.pool, str) or not POOL_PATTERN.match(self.pool):
+            problems.append(f"pool must be a Kubernetes name (lower-case letters, digits and '-', at most 63), "
+                            f"got {self.pool!r}")
         for name in ("intra_op_threads", "max_batch_tokens", "max_batch_size", "max_inputs",
                      "max_request_tokens", "max_body_bytes", "max_queue_items"):
             if getattr(self, name) < 1:
@@ -80,6 +96,11 @@ class WorkerConfig:
             problems.append(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
         if problems:
             raise ValueError("invalid worker config: " + "; ".join(problems))
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """The version ids this worker serves, in order: ``models``, or the version of ``precision``."""
+        return tuple(self.models) or (default_version(self.precision),)
 
 
 def _coerce(name: str, raw: Any, default: Any) -> Any:
@@ -95,6 +116,11 @@ def _coerce(name: str, raw: Any, default: Any) -> Any:
         raise ValueError(f"{name}: expected a boolean, got {raw!r}")
     if isinstance(default, Path):
         return Path(raw).resolve()
+    if isinstance(default, tuple):  # a TOML list, or "a,b" from the environment or a flag
+        items = raw.split(",") if isinstance(raw, str) else raw
+        if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
+            raise ValueError(f"{name}: expected a list of strings or a comma-separated string, got {raw!r}")
+        return tuple(item.strip() for item in items if item.strip())
     try:
         return type(default)(raw)
     except (TypeError, ValueError):

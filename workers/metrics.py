@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import psutil
 from prometheus_client import (
@@ -22,7 +22,10 @@ from prometheus_client import (
     generate_latest,
 )
 
+from inferlb_runtime.model_routing import DEFAULT_POOL
 from inferlb_runtime.request_class import Priority
+
+from .model_catalog import ModelInfo
 
 LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048, 4.096, 8.192)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -72,7 +75,8 @@ class LoadSampler:
 class WorkerMetrics:
     """All metrics of one worker, in a registry of its own (no global state)."""
 
-    def __init__(self, *, cpus: float, model: str, cpu_seconds: Callable[[], float] | None = None) -> None:
+    def __init__(self, *, cpus: float, models: Sequence[ModelInfo], pool: str = DEFAULT_POOL,
+                 cpu_seconds: Callable[[], float] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)
@@ -140,13 +144,36 @@ class WorkerMetrics:
             registry=r,
         )
         info = Gauge("inferlb_worker_info", "Static worker facts.", ["model", "cpus"], registry=r)
-        info.labels(model=model, cpus=str(cpus)).set(1)
+        info.labels(model=models[0].name, cpus=str(cpus)).set(1)
+        # What this worker serves, for the control plane to publish (inferlb_runtime.model_routing).
+        model_info = Gauge("inferlb_worker_model_info", "A model version this worker serves, its family and the "
+                           "aliases it answers to (comma-separated, sorted).", ["model", "family", "aliases"],
+                           registry=r)
+        for model in models:
+            model_info.labels(model=model.name, family=model.family, aliases=",".join(sorted(model.aliases))).set(1)
+        Gauge("inferlb_worker_pool_info", "The pool this worker belongs to.", ["pool"], registry=r).labels(
+            pool=pool).set(1)
+        # Per version: a rollout compares versions by these. Only served versions become label values.
+        self.model_requests = Counter("inferlb_worker_model_requests",
+                                      "Embedding requests by the model version they resolved to and HTTP status.",
+                                      ["model", "code"], registry=r)
+        self.model_request_duration = Histogram(
+            "inferlb_worker_model_request_duration_seconds",
+            "Time from request received to response ready, by the model version it resolved to.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        for model in models:
+            self.model_request_duration.labels(model=model.name)
         self.load = LoadSampler(cpus=cpus) if cpu_seconds is None else LoadSampler(cpus=cpus, cpu_seconds=cpu_seconds)
         self._completed = 0
 
-    def request_done(self, code: int, seconds: float) -> None:
+    def request_done(self, code: int, seconds: float, model: str | None = None) -> None:
+        """Count a request; ``model``: the version it resolved to (None when it never got that far)."""
         self.requests.labels(code=str(code)).inc()
         self.request_duration.observe(seconds)
+        if model is not None:
+            self.model_requests.labels(model=model, code=str(code)).inc()
+            self.model_request_duration.labels(model=model).observe(seconds)
         self._completed += 1
 
     # BatchObserver

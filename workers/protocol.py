@@ -13,6 +13,8 @@ from typing import Any, Literal, Sequence
 import numpy as np
 import orjson
 
+from .model_catalog import ModelInfo
+
 EncodingFormat = Literal["float", "base64"]
 
 
@@ -171,10 +173,12 @@ def embeddings_response(
     )
 
 
-def models_response(model_ids: Sequence[str], created: int) -> bytes:
+def models_response(models: Sequence[ModelInfo], created: int) -> bytes:
+    """OpenAI's model list; each entry also says its family and the aliases it answers to."""
     return orjson.dumps(
         {
             "object": "list",
-            "data": [{"id": m, "object": "model", "created": created, "owned_by": "inferlb"} for m in model_ids],
+            "data": [{"id": m.name, "object": "model", "created": created, "owned_by": "inferlb",
+                      "family": m.family, "aliases": sorted(m.aliases)} for m in models],
         }
     )

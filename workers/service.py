@@ -1,7 +1,9 @@
-"""The embedding service: tokenise, batch, infer, and report load.
+"""The embedding service: resolve the model, tokenise, batch, infer, and report load.
 
 Kept free of HTTP so it can be driven by the Starlette app or by tests alike;
-``workers.app`` maps it onto routes.
+``workers.app`` maps it onto routes. It serves one or more model versions
+(``workers.model_catalog``) with one tokenizer: the versions a worker serves
+are builds of one family.
 """
 
 from __future__ import annotations
@@ -16,9 +18,13 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import tokenizers
 
-from .batcher import BatchCostModel, DeadlineExceeded, Embedded, MicroBatcher, Priority, QueueFull
+from inferlb_runtime.model_routing import MODEL_HEADER
+
+from .batcher import BatchCostModel, DeadlineExceeded, Embedded, Priority, QueueFull
 from .config import WorkerConfig
 from .metrics import WorkerMetrics
+from .model_batchers import ModelBatchers
+from .model_catalog import ModelInfo, describe, resolve_model
 from .protocol import APIError, EmbeddingsRequest, embeddings_response, parse_embeddings_request
 from .queue_order import Scheduling
 from .request_options import RequestOptions
@@ -33,7 +39,8 @@ WARMUP_TEXTS = ("inferlb warm-up", "load balancing " * 200)
 
 
 class InputScheduler(Protocol):
-    """Queues inputs for inference: ``MicroBatcher``, or ``workers.simulated.SlotScheduler`` when simulating."""
+    """Queues inputs for inference by a model version: ``ModelBatchers`` (a ``MicroBatcher`` per version), or
+    ``workers.simulated.SlotScheduler`` when simulating."""
 
     cost: BatchCostModel
 
@@ -44,7 +51,7 @@ class InputScheduler(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def embed(self, inputs: Sequence[Sequence[int]], *, priority: Priority = Priority.STANDARD,
+    async def embed(self, inputs: Sequence[Sequence[int]], *, model: str, priority: Priority = Priority.STANDARD,
                     deadline: float | None = None) -> Embedded: ...
 
 
@@ -58,19 +65,6 @@ class EmbeddingEngine(Protocol):
 
 
 @dataclass(frozen=True)
-class ModelInfo:
-    """The served model's identity and limits."""
-
-    name: str
-    max_tokens: int
-    dimensions: int
-    aliases: tuple[str, ...] = ()
-
-    def accepts(self, requested: str | None) -> bool:
-        return requested is None or requested == self.name or requested in self.aliases
-
-
-@dataclass(frozen=True)
 class Reply:
     status: int
     body: bytes
@@ -81,23 +75,26 @@ class EmbeddingService:
     def __init__(
         self,
         config: WorkerConfig,
-        model: ModelInfo,
+        models: Sequence[ModelInfo],
         tokenizer: tokenizers.Tokenizer,
-        engine_factory: Callable[[], EmbeddingEngine],
+        engine_factory: Callable[[ModelInfo], EmbeddingEngine],
         cpu_seconds: Callable[[], float] | None = None,
         scheduler_factory: Callable[[WorkerMetrics], InputScheduler] | None = None,
     ) -> None:
+        if not models:
+            raise ValueError("a worker serves at least one model")
         self.config = config
-        self.model = model
+        self.models = tuple(models)  # the first answers requests that name no model
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
-        self.metrics = WorkerMetrics(cpus=config.cpus, model=model.name, cpu_seconds=cpu_seconds)
+        self.metrics = WorkerMetrics(cpus=config.cpus, models=self.models, pool=config.pool, cpu_seconds=cpu_seconds)
         self._engine_factory = engine_factory
-        self._engine: EmbeddingEngine | None = None
-        # One inference thread: the engine's own intra-op threads do the parallel work.
+        self._engines: dict[str, EmbeddingEngine] = {}  # by version, filled at warm-up
+        # One inference thread for every model: the engines' own intra-op threads do the parallel work.
         self._infer_executor = ThreadPoolExecutor(1, thread_name_prefix="inference")
-        self.batcher: InputScheduler = scheduler_factory(self.metrics) if scheduler_factory else MicroBatcher(
-            run_batch=self._run_batch,
+        self.batcher: InputScheduler = scheduler_factory(self.metrics) if scheduler_factory else ModelBatchers(
+            [model.name for model in self.models],
+            self._run_batch,
             executor=self._infer_executor,
             observer=self.metrics,
             max_batch_tokens=config.max_batch_tokens,
@@ -150,17 +147,25 @@ class EmbeddingService:
         self._infer_executor.shutdown(wait=True, cancel_futures=True)
 
     async def _warm_up(self) -> None:
+        """Load every model and run one inference through each before turning ready: a worker that says it is
+        ready must answer its first request of any version at full speed, and a broken build must not be
+        routed to."""
         try:
             loop = asyncio.get_running_loop()
             started = time.perf_counter()
-            self._engine = await loop.run_in_executor(self._infer_executor, self._engine_factory)
-            if self._engine.dimensions != self.model.dimensions:
-                raise RuntimeError(f"engine gives {self._engine.dimensions} dimensions, expected {self.model.dimensions}")
             ids = [e.ids for e in self.tokenizer.encode_batch(list(WARMUP_TEXTS))]
-            result = await self.batcher.embed(ids)
-            norms = np.linalg.norm(result.vectors, axis=1)
-            if not np.all(np.isfinite(result.vectors)) or not np.allclose(norms, 1.0, atol=1e-3):
-                raise RuntimeError(f"warm-up embeddings are not unit vectors (norms {norms.tolist()})")
+            for model in self.models:
+                self.not_ready_reason = f"warming up {model.name}"
+                engine = await loop.run_in_executor(self._infer_executor, self._engine_factory, model)
+                if engine.dimensions != model.dimensions:
+                    raise RuntimeError(f"{model.name}: engine gives {engine.dimensions} dimensions, "
+                                       f"expected {model.dimensions}")
+                self._engines[model.name] = engine
+                result = await self.batcher.embed(ids, model=model.name)
+                norms = np.linalg.norm(result.vectors, axis=1)
+                if not np.all(np.isfinite(result.vectors)) or not np.allclose(norms, 1.0, atol=1e-3):
+                    raise RuntimeError(f"{model.name}: warm-up embeddings are not unit vectors "
+                                       f"(norms {norms.tolist()})")
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -171,16 +176,16 @@ class EmbeddingService:
             self.ready = True
             self.not_ready_reason = ""
             self.metrics.ready.set(1)
-        log.info("ready", extra={"warmup_s": round(time.perf_counter() - started, 3), "model": self.model.name})
+        log.info("ready", extra={"warmup_s": round(time.perf_counter() - started, 3),
+                                 "models": [model.name for model in self.models]})
 
     async def _sample_load(self) -> None:
         while True:
             self.metrics.sample_load(self.batcher.cost.coefficients())
             await asyncio.sleep(0.5)
 
-    def _run_batch(self, batch: list[Sequence[int]]) -> np.ndarray:
-        assert self._engine is not None, "engine used before warm-up loaded it"
-        return self._engine.embed(batch)
+    def _run_batch(self, model: str, batch: list[Sequence[int]]) -> np.ndarray:
+        return self._engines[model].embed(batch)  # loaded at warm-up, before any request is taken
 
     # -- requests --------------------------------------------------------
     def load_header(self) -> dict[str, str]:
@@ -199,18 +204,17 @@ class EmbeddingService:
         self.inflight += 1
         self.metrics.inflight.set(self.inflight)
         timing = ""
+        model: ModelInfo | None = None
         try:
             if not self.ready:
                 raise APIError(503, f"worker is not ready: {self.not_ready_reason}", type="server_error",
                                code="not_ready")
             request = parse_embeddings_request(body, max_inputs=self.config.max_inputs, vocab_size=self.vocab_size)
-            if not self.model.accepts(request.model):
-                raise APIError(404, f"The model '{request.model}' does not exist; this worker serves "
-                               f"'{self.model.name}'", code="model_not_found", param="model")
-            if request.dimensions is not None and request.dimensions != self.model.dimensions:
-                raise APIError(400, f"'dimensions' must be {self.model.dimensions} for {self.model.name}, "
+            model = self._model_for(request.model, options.model)
+            if request.dimensions is not None and request.dimensions != model.dimensions:
+                raise APIError(400, f"'dimensions' must be {model.dimensions} for {model.name}, "
                                f"got {request.dimensions}", code="invalid_value", param="dimensions")
-            inputs = await self._token_ids(request)
+            inputs = await self._token_ids(request, model)
             tokens = sum(len(ids) for ids in inputs)
             limit = self.config.max_request_tokens
             if tokens > limit:
@@ -218,16 +222,17 @@ class EmbeddingService:
                                f"request; split its inputs into requests of at most {limit} tokens",
                                code="too_many_tokens", param="input")
             try:
-                result = await self.batcher.embed(inputs, priority=options.priority, deadline=options.deadline)
+                result = await self.batcher.embed(inputs, model=model.name, priority=options.priority,
+                                                  deadline=options.deadline)
             except QueueFull as exc:
                 raise APIError(429, f"worker overloaded: {exc}", type="server_error", code="overloaded") from None
             except DeadlineExceeded as exc:
                 raise APIError(504, f"deadline exceeded: {exc}", type="server_error",
                                code="deadline_exceeded") from None
             if len(inputs) > INLINE_RESPONSE_ROWS:
-                payload = await asyncio.to_thread(self._serialise, request, result.vectors, tokens)
+                payload = await asyncio.to_thread(self._serialise, request, model, result.vectors, tokens)
             else:
-                payload = self._serialise(request, result.vectors, tokens)
+                payload = self._serialise(request, model, result.vectors, tokens)
             timing = f"queue;dur={result.queue_s * 1000:.3f}, compute;dur={result.compute_s * 1000:.3f}, "
             reply = Reply(200, payload, {"x-inferlb-tokens": str(tokens)})
         except APIError as exc:
@@ -235,7 +240,8 @@ class EmbeddingService:
                 log.warning("request refused", extra={"status": exc.status, "error": exc.message})
             reply = Reply(exc.status, exc.body(), {})
         except asyncio.CancelledError:
-            self.metrics.request_done(CLIENT_CLOSED, time.perf_counter() - started)
+            self.metrics.request_done(CLIENT_CLOSED, time.perf_counter() - started,
+                                      model.name if model is not None else None)
             raise
         except Exception as exc:  # a bug must cost one request, not the worker
             log.exception("request failed")
@@ -246,25 +252,39 @@ class EmbeddingService:
             self.inflight -= 1
             self.metrics.inflight.set(self.inflight)
         elapsed = time.perf_counter() - started
-        self.metrics.request_done(reply.status, elapsed)
+        self.metrics.request_done(reply.status, elapsed, model.name if model is not None else None)
         reply.headers["server-timing"] = f"{timing}total;dur={elapsed * 1000:.3f}"
         reply.headers["x-inferlb-worker"] = self.identity
+        if model is not None:
+            reply.headers[MODEL_HEADER] = model.name
         reply.headers.update(load)
         return reply
 
-    def _serialise(self, request: EmbeddingsRequest, vectors: np.ndarray, tokens: int) -> bytes:
+    def _model_for(self, in_body: str | None, in_header: str | None) -> ModelInfo:
+        """The version to run: the header's (ext_proc's choice) over the body's; 404 when not served here."""
+        requested = in_header if in_header is not None else in_body
+        model = resolve_model(self.models, requested)
+        if model is None:
+            where = f" (named in the {MODEL_HEADER} header)" if in_header is not None else ""
+            raise APIError(404, f"The model '{requested}'{where} does not exist or is not served by this worker; "
+                           f"it serves {describe(self.models)}", code="model_not_found",
+                           param=MODEL_HEADER if in_header is not None else "model")
+        return model
+
+    @staticmethod
+    def _serialise(request: EmbeddingsRequest, model: ModelInfo, vectors: np.ndarray, tokens: int) -> bytes:
         return embeddings_response(
-            vectors, model=self.model.name, prompt_tokens=tokens, encoding_format=request.encoding_format
+            vectors, model=model.name, prompt_tokens=tokens, encoding_format=request.encoding_format
         )
 
-    async def _token_ids(self, request: EmbeddingsRequest) -> list[Sequence[int]]:
-        limit = self.model.max_tokens
+    async def _token_ids(self, request: EmbeddingsRequest, model: ModelInfo) -> list[Sequence[int]]:
+        limit = model.max_tokens
         if request.token_ids is not None:
             ids = list(request.token_ids)
             for i, arr in enumerate(ids):
                 if len(arr) > limit:
                     if not request.truncate:
-                        raise self._too_long(i, len(arr))
+                        raise self._too_long(model, i, len(arr))
                     ids[i] = arr[:limit]
             return ids
         texts = list(request.texts or ())
@@ -275,14 +295,15 @@ class EmbeddingService:
         if not request.truncate:
             for i, enc in enumerate(encodings):
                 if enc.overflowing:
-                    raise self._too_long(i, None)
+                    raise self._too_long(model, i, None)
         return [enc.ids for enc in encodings]
 
-    def _too_long(self, index: int, length: int | None) -> APIError:
+    @staticmethod
+    def _too_long(model: ModelInfo, index: int, length: int | None) -> APIError:
         size = f"has {length} tokens, more than" if length is not None else "is longer than"
         return APIError(
             400,
-            f"input[{index}] {size} the model's limit of {self.model.max_tokens} tokens and 'truncate' is false",
+            f"input[{index}] {size} the model's limit of {model.max_tokens} tokens and 'truncate' is false",
             code="context_length_exceeded",
             param="input",
         )

@@ -14,6 +14,11 @@ tokens (all its inputs together, unpadded) takes exactly
 ``(fixed + per_token * n) / speed`` seconds, with the speed read when the job
 starts. That is the queueing model the fleet simulator (``inferlb sim``)
 implements, so the two can be checked against each other.
+
+A simulated worker serves model versions like a real one; its versions share
+the slots (one machine), and each may cost a multiple of the base
+(``--model-cost VERSION=X``), so a benchmark can make a canary slower than the
+version it replaces. Each version's dummy vectors differ.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import logging
 import threading
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +44,26 @@ log = logging.getLogger("inferlb.worker")
 # seconds = FIXED + PER_TOKEN * tokens.
 DEFAULT_FIXED_S = 0.001
 DEFAULT_PER_TOKEN_S = 0.000114
+
+
+def parse_model_costs(specs: Sequence[str], served: Sequence[str]) -> dict[str, float]:
+    """``["v1=2", "v2=0.5,v3=1"]`` -> {"v1": 2.0, ...}; each version must be served here, each scale > 0."""
+    costs: dict[str, float] = {}
+    for part in (p.strip() for spec in specs for p in spec.split(",")):
+        if not part:
+            continue
+        model, sep, scale = part.rpartition("=")
+        try:
+            value = float(scale)
+        except ValueError:
+            value = float("nan")
+        if not sep or not model or not value > 0 or value == float("inf"):
+            raise ValueError(f"--model-cost {part!r} is not VERSION=SCALE with SCALE > 0")
+        if model not in served:
+            raise ValueError(f"--model-cost names {model!r}, which this worker does not serve "
+                             f"(it serves {', '.join(served)})")
+        costs[model] = value
+    return costs
 
 
 def parse_speed_schedule(text: str) -> tuple[tuple[float, float], ...]:
@@ -104,11 +129,11 @@ class Simulation:
             return self._busy
 
 
-def dummy_vectors(batch: Sequence[Sequence[int]], dimensions: int) -> np.ndarray:
-    """Deterministic unit vectors, one per input, seeded by its token ids."""
+def dummy_vectors(batch: Sequence[Sequence[int]], dimensions: int, model: str = "") -> np.ndarray:
+    """Deterministic unit vectors, one per input, seeded by its token ids and the model version."""
     vectors = np.empty((len(batch), dimensions), dtype=np.float32)
     for row, item in enumerate(batch):
-        seed = zlib.crc32(np.asarray(item, dtype=np.int64).tobytes())
+        seed = zlib.crc32(np.asarray(item, dtype=np.int64).tobytes(), zlib.crc32(model.encode()))
         v = np.random.default_rng(seed).standard_normal(dimensions)
         vectors[row] = v / np.linalg.norm(v)
     return vectors
@@ -145,6 +170,8 @@ class _Job:
     enqueued: float
     priority: Priority = Priority.STANDARD
     deadline: float | None = None  # perf_counter seconds
+    model: str = ""
+    cost_scale: float = 1.0  # the model's cost relative to the simulation's
     taken: bool = False  # a slot is serving it (set under the scheduler's lock)
     finished: asyncio.Future[None] | None = None  # done when its slot is through with it
 
@@ -164,10 +191,12 @@ class SlotScheduler:
     """
 
     def __init__(self, simulation: Simulation, *, slots: int, observer: BatchObserver,
-                 max_queue_items: int = 8192, dimensions: int = 384, order: QueueOrder | None = None) -> None:
+                 max_queue_items: int = 8192, dimensions: int = 384, order: QueueOrder | None = None,
+                 model_costs: Mapping[str, float] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.simulation = simulation
+        self.model_costs = dict(model_costs or {})  # version -> cost scale; 1 when not named
         self.slots = slots
         self.observer = observer
         self.max_queue_items = max_queue_items
@@ -204,9 +233,9 @@ class SlotScheduler:
         return len(self._jobs)
 
     # -- submitting ------------------------------------------------------
-    async def embed(self, inputs: Sequence[Sequence[int]], *, priority: Priority = Priority.STANDARD,
+    async def embed(self, inputs: Sequence[Sequence[int]], *, model: str = "", priority: Priority = Priority.STANDARD,
                     deadline: float | None = None) -> Embedded:
-        """Queue one job for all of ``inputs``; rows come back in input order.
+        """Queue one job for all of ``inputs`` of ``model``; rows come back in input order.
 
         Jobs start in the workers' queue order (``priority`` with aging, then
         arrival); a job whose ``deadline`` has passed when a slot takes it is
@@ -217,7 +246,8 @@ class SlotScheduler:
             raise DeadlineExceeded("the request's deadline had passed when it arrived")
         loop = asyncio.get_running_loop()
         job = _Job(inputs, sum(len(i) for i in inputs), loop.create_future(), loop, time.perf_counter(),
-                   Priority(priority), deadline, finished=loop.create_future())
+                   Priority(priority), deadline, model, self.model_costs.get(model, 1.0),
+                   finished=loop.create_future())
         with self._changed:
             if len(self._jobs) >= self.max_queue_items:
                 raise QueueFull(f"{len(self._jobs)} requests already queued (limit {self.max_queue_items})")
@@ -266,8 +296,8 @@ class SlotScheduler:
 
     def _serve(self, job: _Job) -> tuple[Embedded, float]:
         started = time.perf_counter()
-        seconds = self.simulation.batch_seconds(job.tokens)  # the speed at the start of the job
-        vectors = dummy_vectors(job.inputs, self.dimensions)
+        seconds = self.simulation.batch_seconds(job.tokens) * job.cost_scale  # the speed at the start of the job
+        vectors = dummy_vectors(job.inputs, self.dimensions, job.model)
         remaining = started + seconds - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
