@@ -17,6 +17,7 @@ from workers.config import WorkerConfig, load_config
 from workers.model_catalog import KNOWN_VERSIONS, ModelInfo, resolve_model
 
 from .conftest import ROOT, WorkerProcess, running_worker
+from .test_worker_http import cosine
 
 INT8, FP32 = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32"
 FAMILY, HF_NAME = "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"
@@ -91,7 +92,6 @@ def test_int8_and_fp32_are_different_models_of_the_same_meaning(both: WorkerProc
     expected = np.array(reference["items"][0]["embedding"])
     int8 = vector(embed(both, {"input": text, "model": INT8}))
     fp32 = vector(embed(both, {"input": text, "model": FP32}))
-    cosine = lambda a, b: float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))  # noqa: E731
     assert not np.allclose(int8, fp32, atol=1e-4)  # two builds: quantisation moves every vector a little
     assert cosine(int8, fp32) >= 0.99 and cosine(int8, expected) >= 0.99
     assert cosine(fp32, expected) >= 0.9999  # fp32 is the reference model itself
