@@ -50,6 +50,12 @@ class ModelCatalogue:
     routable_versions: Mapping[str, tuple[EndpointView, ...]] = field(default_factory=_nothing)
     routable_aliases: Mapping[str, tuple[EndpointView, ...]] = field(default_factory=_nothing)
     serving: Mapping[str, frozenset[str]] = field(default_factory=_nothing)  # name -> routable endpoint ids
+    # No endpoint says what it serves: ext_proc does not route by model (workers from before it). A field, not
+    # a property: read twice per request.
+    empty: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "empty", not self.versions and not self.aliases)
 
     @classmethod
     def of(cls, endpoints: Sequence[EndpointView], rollouts: Mapping[str, Rollout]) -> "ModelCatalogue":
@@ -63,11 +69,6 @@ class ModelCatalogue:
                    for table in (routable_aliases, routable_versions) for name, found in table.items()}
         return cls(_by_name(versions), _by_name(aliases), MappingProxyType(dict(rollouts)), routable_versions,
                    routable_aliases, MappingProxyType(serving))
-
-    @property
-    def empty(self) -> bool:
-        """No endpoint says what it serves: ext_proc does not route by model (workers from before it)."""
-        return not self.versions and not self.aliases
 
     def names(self) -> list[str]:
         """Every name a request may use, sorted: versions, aliases and rollout aliases."""

@@ -287,7 +287,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     answer = self._on_request_headers(stream, request.request_headers, raw)
                     if answer is None:  # no body (GET): decide now (never queued: it costs nothing)
                         counted = await self._count_and_check(stream, b"")
-                        answer = counted if type(counted) is bytes else self._decide(stream, counted, True)
+                        answer = counted if type(counted) is bytes else (
+                            self._list_models(stream) or self._decide(stream, counted, True))
                     yield answer
                 elif kind == "response_headers":
                     yield self._on_response_headers(stream, request)
@@ -363,18 +364,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if priority is not (asked if asked is not None else Priority.STANDARD):
             # The workers order their queues by the class header: tell them the class the key allows.
             mutation += self._class_entries[priority]
-        if message.end_of_stream:  # no body is coming (GET): answer the model list, or decide now
-            listed = self._list_models(headers)
-            if listed is not None:
-                stream.outcome = "served"
-                return listed
+        if message.end_of_stream:  # no body is coming (GET): decide now (or list the models)
             stream.mutation = mutation
             return None
         return wire.request_headers_answer(mutation)
 
-    def _list_models(self, headers: Mapping[str, str]) -> bytes | None:
+    def _list_models(self, stream: _Stream) -> bytes | None:
         """``GET /v1/models`` (or ``/v1/models/{id}``) answered from the catalogue; None for any other request,
-        and while the catalogue is empty (no worker says what it serves: the worker answers)."""
+        and while the catalogue is empty (no worker says what it serves: the worker answers). Like any request
+        of a key, it has passed the key's quota check, and carries its x-ratelimit-* headers."""
+        headers = stream.headers
         path = headers.get(":path", "").partition("?")[0]
         if not path.startswith("/v1/models") or headers.get(":method") != "GET":
             return None
@@ -382,7 +381,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         catalogue = view.catalogue if view is not None else None
         if catalogue is None or catalogue.empty:
             return None
+        limits = tuple(rate_limit_headers(stream.quota)) if stream.quota is not None else ()
         if path in ("/v1/models", "/v1/models/"):
+            stream.outcome, stream.forwarded = "served", True  # answered: its quota is used, as a worker's answer's
+            if limits:
+                return wire.json_response(catalogue.models_list(self._created), "inferlb_models", *limits)
             cached = self._models_answer
             if cached is None or cached[0] is not catalogue:
                 cached = self._models_answer = (catalogue, wire.json_response(catalogue.models_list(self._created),
@@ -393,10 +396,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         name = unquote(path[len("/v1/models/"):])  # an alias may hold a slash (sentence-transformers/...)
         entry = catalogue.model(name, self._created)
         if entry is not None:
-            return wire.json_response(entry, "inferlb_model")
+            stream.outcome, stream.forwarded = "served", True
+            return wire.json_response(entry, "inferlb_model", *limits)
         self.metrics.model_answer(OTHER_MODEL, "404")
-        return wire.reply_response(Reply(404, "model_not_found", catalogue.unknown_message(name),
-                                         type="invalid_request_error", param="model"))
+        return self._refusal(stream, Reply(404, "model_not_found", catalogue.unknown_message(name),
+                                           type="invalid_request_error", param="model"))
 
     def _model_label(self, version: str | None) -> str:
         """A version as a metric label: one the catalogue lists, else "other" (bounded label values)."""

@@ -250,9 +250,9 @@ def reply_response(reply: Reply) -> bytes:
                      f"inferlb_{reply.code}", *headers, *reply.headers)
 
 
-def json_response(document: Any, details: str) -> bytes:
+def json_response(document: Any, details: str, *headers: tuple[str, str]) -> bytes:
     """A 200 ext_proc answers itself (``GET /v1/models``): the worker never sees the request."""
-    return immediate(http_status_pb2.OK, orjson.dumps(document), details)
+    return immediate(http_status_pb2.OK, orjson.dumps(document), details, *headers)
 
 
 def request_headers_answer(mutation: bytes) -> bytes:
