@@ -191,14 +191,16 @@ def test_a_budget_through_envoy_that_passes_in_a_busy_workers_queue_is_a_504(rea
 
 
 def test_a_critical_request_overtakes_queued_sheddable_ones_on_a_simulated_worker(tmp_path: Path) -> None:
-    """One slot, 300 ms per request. Before: the slot served its queue in arrival order, so the critical
-    request, queued last, answered last."""
-    slow = ("--sim-fixed-ms", "5", "--sim-per-token-us", "0", "--sim-cost-scale", "60", *NO_AGING)
+    """One slot, 10 ms a token: the blocker (256 tokens) holds it for about 2.6 s, time for the others (a few
+    tokens each) to queue behind it through Envoy and ext_proc even on a loaded machine (300 ms, as it
+    was, often was not). Before: the slot served its queue in arrival order, so the critical request,
+    queued last, answered last."""
+    slow = ("--sim-fixed-ms", "5", "--sim-per-token-us", "10000", *NO_AGING)
     with ExitStack() as exits:
         (worker,) = exits.enter_context(running_sim_workers(tmp_path, 1, args=slow))
         stack = stack_around(exits, tmp_path, worker.id, worker.proc)
         with Background(stack) as requests:
-            requests.send("blocker", {"input": "standard, holds the slot"})
+            requests.send("blocker", {"input": LONG_TEXT})  # standard, holds the slot
             wait_for(lambda: stack.metric("inferlb_worker_inflight_requests") == 1, 30, "the slot to be taken",
                      stack.procs)
             for i in range(3):
