@@ -86,8 +86,9 @@ async def _scale_up_then_down(data_dir: Path, tmp_path: Path, admin_url: str, to
     try:
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             admin = TestSignal(client, admin_url, token)
+            # below the ephemeral range: the port found free is not taken by a client connection meanwhile
             scaler = PoolScaler(settings, admin, SupervisorWorkers(supervisor, component, client), fixed=1,
-                                first_port=free_port())
+                                first_port=22000)
             admin.desired = 2
             decision = await scaler.round()
             assert (decision.action, scaler.size) == ("up", 2), lines

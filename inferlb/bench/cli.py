@@ -5,7 +5,8 @@
 configuration) in ``run_command.py``; ``inferlb bench overload`` (issue 13's
 classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests against
 workers full of the largest ones, per worker scheduling option) in ``hogs.py``; ``inferlb bench fair`` (issue 14's
-fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in ``fair.py``; the component
+fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in ``fair.py``; ``inferlb bench
+autoscale`` (issue 15's elastic pool under a load step) in ``autoscale.py``; the component
 benchmarks ``inferlb bench worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
 ``ext_proc_bench/``, ``quota`` (a tenant's key lookup and quota check) in
 ``quota_bench.py`` and ``quota-accuracy`` (tokens admitted per window against the
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import fair, hogs, load_command, overload, quota_accuracy, quota_bench, run_command, worker_bench
+from . import autoscale, fair, hogs, load_command, overload, quota_accuracy, quota_bench, run_command, worker_bench
 from .ext_proc_bench import command as ext_proc_command
 from .xds_bench import command as xds_command
 
@@ -46,6 +47,11 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                 "fair queue and without", description=fair.DESCRIPTION)
     fair.add_arguments(fair_)
     fair_.set_defaults(func=fair.main)
+    scale = commands.add_parser("autoscale", help="an elastic pool (inferlb up --autoscale) under a load step "
+                                "10%% -> 150%% -> 10%% of one worker", description=autoscale.DESCRIPTION,
+                                epilog=autoscale.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    autoscale.add_arguments(scale)
+    scale.set_defaults(func=autoscale.main)
     hog = commands.add_parser("hogs", help="one-sentence requests while every worker holds the largest requests",
                               description=hogs.DESCRIPTION)
     hogs.add_arguments(hog)
