@@ -210,7 +210,7 @@ def test_listener_address_and_hcm() -> None:
     assert [f.name for f in hcm.http_filters] == [
         "envoy.filters.http.header_mutation", "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
     strip = _unpack(hcm.http_filters[0].typed_config, header_mutation_pb2.HeaderMutation)
-    assert [m.remove for m in strip.mutations.request_mutations] == ["x-gateway-destination-endpoint"]
+    assert [m.remove for m in strip.mutations.request_mutations] == ["x-gateway-destination-endpoint", "x-inferlb-model"]
     _unpack(hcm.http_filters[2].typed_config, router_pb2.Router)
 
 
@@ -346,7 +346,7 @@ def test_ext_proc_disabled_leaves_out_the_filter_and_its_cluster() -> None:
     hcm = _hcm(settings)
     assert [f.name for f in hcm.http_filters] == ["envoy.filters.http.header_mutation", "envoy.filters.http.router"]
     strip = _unpack(hcm.http_filters[0].typed_config, header_mutation_pb2.HeaderMutation)
-    assert [m.remove for m in strip.mutations.request_mutations] == [settings.pick_header]
+    assert [m.remove for m in strip.mutations.request_mutations] == [settings.pick_header, "x-inferlb-model"]
     built = build_resources(FleetState(settings=settings))
     assert sorted(built[type_urls.CLUSTER]) == [settings.workers_cluster]
     # The workers cluster is unchanged: the weighted least_request fallback routes every request.

@@ -20,6 +20,8 @@ from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_p
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
 from envoy.type.v3 import http_status_pb2
 
+from inferlb_runtime.model_routing import MODEL_HEADER
+
 from ..model import DataPlaneSettings
 from .local_reply import build_local_reply_config
 from .messages import ads, duration, pack, socket_address
@@ -79,14 +81,16 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
 
 
 def build_strip_pick_filter(settings: DataPlaneSettings) -> header_mutation_pb2.HeaderMutation:
-    """Drop a client-sent pick header at the edge: only ext_proc chooses hosts.
+    """Drop a client-sent pick header and model-version header at the edge: only ext_proc chooses.
 
-    override_host honours the header, so without this a client could pin any
-    host, and would keep doing so whenever ext_proc fails open.
+    override_host honours the pick header, so without this a client could pin any
+    host, and would keep doing so whenever ext_proc fails open; the worker honours
+    ``x-inferlb-model``, so a client could likewise step around a rollout.
     """
     return header_mutation_pb2.HeaderMutation(
         mutations=header_mutation_pb2.Mutations(
-            request_mutations=[mutation_rules_pb2.HeaderMutation(remove=settings.pick_header)],
+            request_mutations=[mutation_rules_pb2.HeaderMutation(remove=header)
+                               for header in (settings.pick_header, MODEL_HEADER)],
         ),
     )
 
