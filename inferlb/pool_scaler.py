@@ -289,9 +289,14 @@ class PoolScaler:
 
     async def add(self) -> Member | None:
         """Start a worker, wait for its /readyz, then register it; None (and nothing left running) on failure."""
-        port = free_port(self.first_port, [m.port for m in self.members])
-        member = Member(port, await self.workers.start(port))
-        self.members.append(member)  # counted now: a concurrent add picks another port
+        # The port is taken (the member listed) before the first await: a concurrent add picks another one.
+        member = Member(free_port(self.first_port, [m.port for m in self.members]), None)
+        self.members.append(member)
+        try:
+            member.handle = await self.workers.start(member.port)
+        except BaseException:
+            self.members.remove(member)
+            raise
         self._log("worker starting", endpoint=member.id)
         try:
             await self.workers.wait_ready(member.handle, self.settings.ready_timeout_s)

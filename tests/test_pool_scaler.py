@@ -163,6 +163,7 @@ class FakeWorkers:
         self.auto_ready = auto_ready
 
     async def start(self, port: int) -> object:
+        await asyncio.sleep(0)  # spawning suspends, as a real one does: concurrent adds interleave here
         self.world.events.append(f"start {port}")
         self.world.ready[port] = asyncio.Event()
         if self.auto_ready:
@@ -274,3 +275,17 @@ async def _never_below_min_the_fixed_workers_stay_and_a_dead_member_is_replaced(
     assert scaler.size == 1 and scaler.members == []  # down to MIN: the fixed worker
     clock.now += 1000
     assert (await scaler.round()).reason == "at target"
+
+
+def test_workers_added_together_get_ports_of_their_own() -> None:
+    run(_workers_added_together_get_ports_of_their_own())
+
+
+async def _workers_added_together_get_ports_of_their_own() -> None:
+    world, clock = World(desired=4), Clock()
+    scaler = _scaler(world, clock)
+    decision = await scaler.round()
+    assert (decision.action, decision.count, scaler.size) == ("up", 3, 4)
+    ports = [m.port for m in scaler.members]
+    assert len(set(ports)) == 3
+    assert sorted(e for e in world.events if e.startswith("register")) == sorted(f"register {p}" for p in ports)
