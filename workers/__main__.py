@@ -119,7 +119,7 @@ def served_models(config: WorkerConfig) -> list[ModelInfo]:
 
 
 def build_service(config: WorkerConfig):  # type: ignore[no-untyped-def]
-    """Load the tokenizer now and each version's engine at warm-up, from the prepared models."""
+    """Load the tokenizer now and each version's engine at warm-up, from the prepared models or packaged files."""
     import dataclasses
 
     from .engine import Engine
@@ -127,14 +127,18 @@ def build_service(config: WorkerConfig):  # type: ignore[no-untyped-def]
     from .service import EmbeddingService
     from .tokenization import load_tokenizer
 
+    # Built even when only packaged versions are served: the tokenizer every version uses comes with it.
     artifacts = prepare_models(config.data_dir, progress=lambda msg: log.info(msg))
-    paths = {"int8": artifacts.int8, "fp32": artifacts.fp32}
     models = [dataclasses.replace(model, max_tokens=artifacts.max_tokens, dimensions=artifacts.dimensions)
-              for model in served_models(config)]
+              if KNOWN_VERSIONS[model.name].precision else model for model in served_models(config)]
+    # Located now: a missing package fails the start, not a warm-up that never ends.
+    graphs = {model.name: KNOWN_VERSIONS[model.name].graph({"int8": artifacts.int8, "fp32": artifacts.fp32})
+              for model in models}
 
     def engine_factory(model: ModelInfo) -> Engine:
-        return Engine(paths[KNOWN_VERSIONS[model.name].precision], intra_op_threads=config.intra_op_threads,
-                      allow_spinning=config.allow_spinning)
+        known = KNOWN_VERSIONS[model.name]
+        return Engine(graphs[model.name], output=known.output, normalise=known.normalise,
+                      intra_op_threads=config.intra_op_threads, allow_spinning=config.allow_spinning)
 
     return EmbeddingService(config, models, load_tokenizer(artifacts.tokenizer, artifacts.max_tokens), engine_factory)
 

