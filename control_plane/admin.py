@@ -22,8 +22,9 @@ task is supervised: a failure is logged, counted
 Model rollouts (``/v1/rollouts/{alias}``, issue 15) go the same way: a PUT
 keeps the split it replaces as the alias's ``previous``, and a rollback swaps
 the two (so a rollback of a rollback goes forward again). ext_proc gets the
-rollouts on its EDS (``inferlb.rollouts``), with the next publish like any
-other action. A split naming a version no endpoint serves is refused (409)
+rollouts on its EDS (``inferlb.rollouts``), published at once rather than
+after the debounce (a rollback must be instant): the call returns when the
+snapshot ext_proc is served carries it. A split naming a version no endpoint serves is refused (409)
 unless ``?force=true``: a typo must not send a share of the traffic nowhere.
 
 Errors have one shape, ``{"error": {"status", "code", "message", "detail"}}``:
@@ -628,7 +629,7 @@ class AdminService:
             record = self._find_rollout(records, alias)
             await self._commit(lambda s: s.delete_rollout(alias))
             del records[alias]
-            self._publish_rollouts(records)
+            await self._publish_rollouts(records)
             log.info("rollout deleted", extra={"alias": alias, "versions": dict(record.rollout.versions)})
             return rollout_out(record, served_versions(self.controller.state))
 
@@ -646,14 +647,16 @@ class AdminService:
     async def _change_rollout(self, records: dict[str, StoredRollout], record: StoredRollout, what: str) -> None:
         await self._commit(lambda s: s.set_rollout(record))
         records[record.alias] = record
-        self._publish_rollouts(records)
+        await self._publish_rollouts(records)
         log.info(what, extra={"alias": record.alias, "versions": dict(record.rollout.versions),
                               "sticky": record.rollout.sticky,
                               "previous": None if record.previous is None else dict(record.previous.versions)})
 
-    def _publish_rollouts(self, records: Mapping[str, StoredRollout]) -> None:
+    async def _publish_rollouts(self, records: Mapping[str, StoredRollout]) -> None:
+        """Into the state and out to ext_proc now, not after the debounce (the Envoys' snapshot is unchanged)."""
         rollouts = tuple(records[a].rollout for a in sorted(records))
         self.controller.update(lambda state: dataclasses.replace(state, rollouts=rollouts))
+        await self.controller.publish()
 
     # -- usage for billing (control_plane/usage) ------------------------------------------------------
 
