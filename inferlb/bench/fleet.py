@@ -60,7 +60,8 @@ def worker_argv(fleet: Fleet, worker: int, port: int, python: str = sys.executab
             "--speed", f"{spec.speed:g}", "--sim-slots", str(spec.slots),
             "--sim-fixed-ms", f"{fleet.fixed_s * 1e3:.6g}", "--sim-per-token-us", f"{fleet.per_token_s * 1e6:.6g}",
             "--sim-cost-scale", f"{fleet.cost_scale:g}",
-            "--threads", "1", "--log-level", "warning"]
+            "--threads", "1", "--log-level", "warning",
+            *(["--models", ",".join(fleet.models)] if fleet.models else [])]
 
 
 def fleet_components(fleet: Fleet, layout: FleetLayout, log_dir: Path, data_dir: Path,

@@ -104,6 +104,7 @@ class Fleet:
     fixed_s: float = MODEL_FIXED_S
     per_token_s: float = MODEL_PER_TOKEN_S
     cost_scale: float = 4.0
+    models: tuple[str, ...] = ()  # the model versions every worker serves (empty: the worker's default)
 
     def service_s(self, worker: int, tokens: int, speed: float | None = None) -> float:
         """Emulated service seconds of one request of ``tokens`` tokens on worker ``worker``."""
