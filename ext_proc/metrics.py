@@ -86,7 +86,7 @@ class _LiveCollector(Collector):
             tokens.add_metric([endpoint], load.tokens)
             seconds.add_metric([endpoint], load.seconds)
         yield from (requests, tokens, seconds)
-        yield GaugeMetricFamily(f"{PREFIX}outstanding_requests_total", "Requests in flight, all endpoints.",
+        yield GaugeMetricFamily(f"{PREFIX}outstanding_requests_all_endpoints", "Requests in flight, all endpoints.",
                                 value=sum(load.requests for load in s.outstanding.values()))
         if s.mape is not None:
             yield GaugeMetricFamily(f"{PREFIX}prediction_mape",
@@ -111,7 +111,7 @@ class _LiveCollector(Collector):
                                 value=s.routable)
         yield GaugeMetricFamily(f"{PREFIX}partition_index", "Our index among the replicas a large fleet is "
                                 "partitioned among (0 when not listed).", value=s.partition[0])
-        yield GaugeMetricFamily(f"{PREFIX}partition_count", "Replicas a large fleet is partitioned among, as "
+        yield GaugeMetricFamily(f"{PREFIX}partition_replicas", "Replicas a large fleet is partitioned among, as "
                                 "the control plane lists them (1: not partitioned).", value=s.partition[1])
         policy = GaugeMetricFamily(f"{PREFIX}pick_policy", "The active pick policy (value 1).", labels=["policy"])
         policy.add_metric([s.policy], 1)

@@ -483,8 +483,9 @@ class ExtProc:
             return prometheus_samples(response.text)
 
     def outstanding(self) -> float:
-        """Requests this ext_proc has in flight, all endpoints (``inferlb_ext_proc_outstanding_requests_total``)."""
-        return sample(self.metrics(), "inferlb_ext_proc_outstanding_requests_total") or 0.0
+        """Requests this ext_proc has in flight, all endpoints
+        (``inferlb_ext_proc_outstanding_requests_all_endpoints``)."""
+        return sample(self.metrics(), "inferlb_ext_proc_outstanding_requests_all_endpoints") or 0.0
 
 
 @contextmanager

@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow
 
 def partition(ext_proc: ExtProc) -> tuple[float | None, float | None]:
     metrics = ext_proc.metrics()
-    return (sample(metrics, "inferlb_ext_proc_partition_index"), sample(metrics, "inferlb_ext_proc_partition_count"))
+    return (sample(metrics, "inferlb_ext_proc_partition_index"), sample(metrics, "inferlb_ext_proc_partition_replicas"))
 
 
 class DirectDecisions:

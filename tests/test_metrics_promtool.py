@@ -1,0 +1,77 @@
+"""Every service's /metrics passes ``promtool check metrics`` (Debian's prometheus package; ``make test``
+installs it): the format and Prometheus' naming lints, on live processes after they served traffic, so the
+per-model, per-tenant and per-pool families are there too."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import WorkerProcess
+from .stack import Gateway, http, running_gateway
+
+pytestmark = pytest.mark.slow
+
+MODELS = "all-MiniLM-L6-v2-int8,all-MiniLM-L6-v2-fp32"
+
+
+def promtool(text: str) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("promtool")
+    assert binary, "promtool not found: make test installs Debian's prometheus package"
+    return subprocess.run([binary, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+
+
+def scrape(url: str) -> str:
+    with http() as client:
+        response = client.get(url)
+    assert response.status_code == 200, response.text
+    return response.text
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
+    with running_gateway(tmp_path_factory.mktemp("promtool"), workers=2,
+                         worker_args=("--models", MODELS), name="promtool") as gw:
+        with http() as client:
+            for model in ("all-MiniLM-L6-v2-fp32", "all-MiniLM-L6-v2", "no-such-model", None):
+                body = {"input": "count me"} | ({"model": model} if model else {})
+                client.post(gw.url(), json=body)
+            client.get(gw.url("/v1/models"))
+        yield gw
+
+
+def test_the_control_plane_metrics_pass_promtool(gateway: Gateway) -> None:
+    text = scrape(f"{gateway.cp.admin_url}/metrics")
+    assert "inferlb_autoscale_desired_replicas" in text
+    done = promtool(text)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ext_proc_metrics_pass_promtool(gateway: Gateway) -> None:
+    text = scrape(f"{gateway.ext_proc.metrics_url}/metrics")
+    assert "inferlb_ext_proc_model_requests_total" in text
+    done = promtool(text)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_simulated_worker_metrics_pass_promtool(gateway: Gateway) -> None:
+    text = scrape(f"{gateway.workers[0].url}/metrics")
+    assert "inferlb_worker_model_info" in text
+    done = promtool(text)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_real_worker_metrics_pass_promtool(worker: WorkerProcess) -> None:
+    with http() as client:
+        assert client.post(f"{worker.url}/v1/embeddings", json={"input": "count me"}).status_code == 200
+    done = promtool(scrape(f"{worker.url}/metrics"))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_promtool_refuses_a_bad_exposition() -> None:
+    """The check can fail: a counter without ``_total`` and a malformed line are refused."""
+    done = promtool("# TYPE bad_counter counter\nbad_counter 1\nnot a metric line\n")
+    assert done.returncode != 0
