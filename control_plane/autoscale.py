@@ -9,7 +9,12 @@ then, when the fleet's p99 latency is above ``target_p99_latency_s`` (if
 set), at least ``ceil(replicas * p99 / target)`` (latency grows with load, so
 the ratio says roughly how much more capacity the target needs), that ratio
 capped at ``max_upscale_ratio``; bounded by ``min_replicas`` and
-``max_replicas``. Scale-up is immediate; scale-down is smoothed: the
+``max_replicas``. The ongoing requests are the time-weighted mean over
+``look_back_s`` (Ray Serve's ``look_back_period_s``), not one instant: at a low
+load a Poisson clump of three requests at one scrape would otherwise ask for a
+second worker, which the window below then keeps for its whole length (the
+elastic-pool bench flapped 1 -> 2 -> 1 on exactly that). Scale-up is otherwise
+immediate; scale-down is smoothed: the
 signal is the highest raw recommendation of the last
 ``downscale_window_s`` (the HorizontalPodAutoscaler's stabilisation window),
 so a lull of a few seconds does not tear down workers the next burst needs.
@@ -25,6 +30,7 @@ reconciles its local workers to (``inferlb/pool_scaler.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
@@ -48,6 +54,7 @@ class AutoscaleSettings:
     target_p99_latency_s: float | None = None
     max_upscale_ratio: float = 2.0
     downscale_window_s: float = 300.0
+    look_back_s: float = 10.0  # ongoing requests averaged over this (0: the latest figure alone)
 
     def __post_init__(self) -> None:
         if self.target_ongoing_requests <= 0:
@@ -60,6 +67,8 @@ class AutoscaleSettings:
             raise ValueError(f"max_upscale_ratio must be >= 1, got {self.max_upscale_ratio}")
         if self.downscale_window_s < 0:
             raise ValueError(f"downscale_window_s must be >= 0, got {self.downscale_window_s}")
+        if self.look_back_s < 0:
+            raise ValueError(f"look_back_s must be >= 0, got {self.look_back_s}")
 
 
 @dataclass(frozen=True)
@@ -99,19 +108,39 @@ def raw_desired_replicas(load: FleetLoad, settings: AutoscaleSettings) -> int:
 
 @dataclass(frozen=True)
 class AutoscaleState:
-    """The recent raw recommendations ``(at, replicas)``, oldest first, and the signal they give."""
+    """The recent raw recommendations ``(at, replicas)``, oldest first, and the signal they give; and the
+    recent ongoing-request figures ``(at, ongoing)`` the look-back mean is taken over."""
 
     history: tuple[tuple[float, int], ...] = ()
+    ongoing: tuple[tuple[float, float], ...] = ()
 
     @property
     def desired_replicas(self) -> int | None:
         return max((r for _, r in self.history), default=None)
 
 
+def look_back(samples: tuple[tuple[float, float], ...], value: float, now: float,
+              look_back_s: float) -> tuple[tuple[tuple[float, float], ...], float]:
+    """The samples with ``(now, value)`` added and those before the window dropped (but the last one
+    before it, which bounds the first interval), and their time-weighted mean over the window. A figure
+    stands for the time since the figure before it (the change happened somewhere in between), so the
+    newest figure counts at once, and reading /metrics twice in a row does not count one figure twice."""
+    start = now - look_back_s
+    added = (*samples, (now, value))
+    first = max((i for i, (at, _) in enumerate(added) if at <= start), default=0)
+    kept = added[first:]
+    total = span = 0.0
+    for (before, _), (at, v) in zip(kept, kept[1:]):
+        weight = at - max(before, start)
+        if weight > 0:
+            total, span = total + v * weight, span + weight
+    return kept, (total / span if span > 0 else value)
+
+
 def step(state: AutoscaleState, raw: int, now: float, settings: AutoscaleSettings) -> AutoscaleState:
     """Add one recommendation; forget those older than the window (the newest always stays)."""
     kept = tuple((at, r) for at, r in state.history if now - at <= settings.downscale_window_s and r > raw)
-    return AutoscaleState((*kept, (now, raw)))
+    return dataclasses.replace(state, history=(*kept, (now, raw)))
 
 
 @dataclass(frozen=True)
@@ -151,9 +180,12 @@ class Autoscaler:
         signals, states = {}, {}
         for pool, members in sorted(by_pool(endpoints, (DEFAULT_POOL, *self.pools)).items()):
             settings = self.settings_for(pool)
+            state = self.states.get(pool, AutoscaleState())
             load = fleet_load(members, now, stale_after_s)
+            samples, mean = look_back(state.ongoing, load.ongoing_requests, now, settings.look_back_s)
+            load = dataclasses.replace(load, ongoing_requests=mean)
             raw = raw_desired_replicas(load, settings)
-            states[pool] = step(self.states.get(pool, AutoscaleState()), raw, now, settings)
+            states[pool] = step(dataclasses.replace(state, ongoing=samples), raw, now, settings)
             desired = states[pool].desired_replicas
             signals[pool] = AutoscaleSignal(load, raw, raw if desired is None else desired)
         self.states, self.signals = states, signals

@@ -132,6 +132,7 @@ class PoolAutoscaleConfig(BaseModel):
     target_p99_latency_s: float | None = Field(None, gt=0)
     max_upscale_ratio: float | None = Field(None, ge=1)
     downscale_window_s: float | None = Field(None, ge=0)
+    look_back_s: float | None = Field(None, ge=0)
 
 
 class AutoscaleConfig(BaseModel):
@@ -145,6 +146,7 @@ class AutoscaleConfig(BaseModel):
     target_p99_latency_s: float | None = Field(None, gt=0)
     max_upscale_ratio: float = Field(2.0, ge=1)
     downscale_window_s: float = Field(300.0, ge=0)
+    look_back_s: float = Field(10.0, ge=0)  # ongoing requests are averaged over this many seconds
     # Per pool (Endpoint.pool, a Kubernetes name): overrides of the settings above, e.g. its own bounds.
     # Environment: INFERLB_CP_AUTOSCALE__POOLS__<NAME>__MAX_REPLICAS (names are lower-cased).
     pools: dict[str, PoolAutoscaleConfig] = Field(default_factory=dict)

@@ -18,6 +18,7 @@ from control_plane.autoscale import (
     AutoscaleState,
     FleetLoad,
     fleet_load,
+    look_back,
     raw_desired_replicas,
     step,
 )
@@ -144,3 +145,36 @@ def test_pool_overrides_from_the_config_merge_over_the_global_settings() -> None
         load_config(None, {"autoscale": {"pools": {"Batch_1": {}}}})
     with pytest.raises(ValidationError, match="autoscale pool 'batch': need 0 <= min_replicas <= max_replicas"):
         load_config(None, {"autoscale": {"max_replicas": 3, "pools": {"batch": {"min_replicas": 5}}}})
+
+
+def test_ongoing_requests_are_a_time_weighted_mean_over_the_look_back() -> None:
+    # a figure stands for the time since the one before: 0 for 9 s, then 10 for 1 s -> 1.0 over 10 s
+    samples: tuple[tuple[float, float], ...] = ()
+    for at in range(0, 10):
+        samples, _ = look_back(samples, 0.0, float(at), 10.0)
+    samples, mean = look_back(samples, 10.0, 10.0, 10.0)
+    assert mean == pytest.approx(1.0)
+    samples, mean = look_back(samples, 10.0, 10.0, 10.0)  # read twice at once: counted once
+    assert mean == pytest.approx(1.0)
+    samples, mean = look_back(samples, 10.0, 25.0, 10.0)  # older figures leave the window
+    assert mean == pytest.approx(10.0) and len(samples) <= 3
+    assert look_back((), 4.0, 1.0, 10.0)[1] == 4.0  # the first figure alone
+    assert look_back(samples, 7.0, 26.0, 0.0)[1] == 7.0  # no look-back: the latest figure
+
+
+def test_a_momentary_clump_at_low_load_does_not_ask_for_another_worker() -> None:
+    """The elastic-pool bench flapped 1 -> 2 -> 1 when one scrape saw three requests at 10% load."""
+    autoscaler = Autoscaler(AutoscaleSettings(target_ongoing_requests=2.0, look_back_s=10.0))
+    for now in range(100, 130):
+        inflight = 3 if now == 120 else 0  # one clump among 30 quiet scrapes
+        signal = autoscaler.observe([_endpoint(1, inflight=inflight, queue=0, at=float(now))], now=float(now),
+                                    stale_after_s=2.0)["default"]
+        assert signal.desired_replicas == 1, now
+    # a real surge (a queue for several seconds) still scales up within a few scrapes
+    for now in range(130, 134):
+        signal = autoscaler.observe([_endpoint(1, inflight=1, queue=8, at=float(now))], now=float(now),
+                                    stale_after_s=2.0)["default"]
+    assert signal.desired_replicas >= 2
+    instant = Autoscaler(AutoscaleSettings(target_ongoing_requests=2.0, look_back_s=0.0))
+    clump = instant.observe([_endpoint(1, inflight=3, queue=0, at=120.0)], now=120.0, stale_after_s=2.0)
+    assert clump["default"].desired_replicas == 2  # what happened without the look-back
