@@ -165,6 +165,7 @@ def test_worker_service_matches_the_worker_defaults_and_scales(compose: dict[str
     assert config.port == defaults.port == 8101
     assert config.host == "0.0.0.0"  # reachable on the Compose network
     assert config.intra_op_threads == 1
+    assert config.models == ("all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32")  # both versions, as make up
     assert str(config.port) in service["expose"]
     # `--scale worker=N`: no fixed host port, no container_name, no fixed IP
     assert "ports" not in service and "container_name" not in service
