@@ -41,7 +41,7 @@ phase and the failed requests (the target: none). Progress on stderr; --json wri
 
 EPILOG = """\
 examples:
-  inferlb bench autoscale                       1..3 workers, 30 s + 90 s + 90 s
+  inferlb bench autoscale                       1..3 workers, 30 s + 90 s + 120 s
   inferlb bench autoscale --json docs/bench/autoscale.json
   inferlb bench autoscale --low-s 10 --high-s 30 --after-s 40 --scale-down-cooldown 5 --downscale-window 5"""
 
@@ -59,12 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--high", type=float, default=1.50, help="the high load (default 1.50)")
     parser.add_argument("--low-s", type=float, default=30.0, help="seconds of low load first (default 30)")
     parser.add_argument("--high-s", type=float, default=90.0, help="seconds of high load (default 90)")
-    parser.add_argument("--after-s", type=float, default=90.0, help="seconds of low load after (default 90)")
+    parser.add_argument("--after-s", type=float, default=120.0, help="seconds of low load after (default 120)")
     parser.add_argument("--slo-ms", type=float, default=250.0, help="the p99 SLO (default 250 ms)")
     parser.add_argument("--scale-up-cooldown", type=float, default=5.0, help="the scaler's (default 5 s)")
-    parser.add_argument("--scale-down-cooldown", type=float, default=15.0, help="the scaler's (default 15 s)")
-    parser.add_argument("--downscale-window", type=float, default=20.0,
-                        help="the control plane's scale-down smoothing window (default 20 s)")
+    parser.add_argument("--scale-down-cooldown", type=float, default=30.0, help="the scaler's (default 30 s)")
+    # 60 s, not the 300 s default, to keep the run short; at 20 s a pool whose need sits between two sizes
+    # (150% of one worker: 2 workers at 75%, or 3) went 3 -> 2 -> 3 under steady load.
+    parser.add_argument("--downscale-window", type=float, default=60.0,
+                        help="the control plane's scale-down smoothing window (default 60 s)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure as JSON")
 
