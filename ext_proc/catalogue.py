@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from inferlb_runtime.model_routing import Rollout
 
-from .model import EndpointView
+from .model import EndpointView, Reply
 
 
 def _nothing() -> Mapping[str, Any]:
@@ -93,6 +93,16 @@ class ModelCatalogue:
     def model(self, name: str, created: int) -> dict[str, Any] | None:
         """``GET /v1/models/{name}``: the one entry, or None when the fleet does not know the name."""
         return next((m for m in self.models_list(created)["data"] if m["id"] == name), None)
+
+    def unknown(self, model: str | None) -> bool:
+        """``model`` names nothing the fleet serves (the model filter's 404); never while the catalogue is empty."""
+        return model is not None and not self.empty and model not in self.rollouts \
+            and model not in self.versions and model not in self.aliases
+
+    def not_found(self, model: str) -> Reply:
+        """The 404 for a model the fleet does not serve, naming what it does."""
+        return Reply(404, "model_not_found", self.unknown_message(model), type="invalid_request_error",
+                     param="model")
 
     def unknown_message(self, model: str) -> str:
         """A 404's message: the name and what the fleet does serve."""

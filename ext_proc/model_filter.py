@@ -91,8 +91,7 @@ class ModelFilter:
         elif model in catalogue.aliases:
             version, found = None, catalogue.routable_aliases.get(model)
         else:
-            return Reply(404, "model_not_found", catalogue.unknown_message(model), type="invalid_request_error",
-                         param="model")
+            return catalogue.not_found(model)
         if not found:
             which = f"'{model}' (its rollout's version '{version}')" if rollout is not None else f"'{model}'"
             return Reply(503, "model_unavailable", f"The model {which} is served by no routable endpoint right now "

@@ -276,7 +276,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         yield counted
                         continue
                     gate = self.gate
-                    if gate is not None and not gate.passes_now():  # it will wait for its turn: tell Envoy
+                    # It will wait for its turn (tell Envoy); an unknown model's 404 never waits
+                    if gate is not None and not gate.passes_now() and not self._unknown_model(counted):
                         yield self._extend_timeout
                         refused = await self._wait_turn(gate, stream)
                         if refused is not None:
@@ -402,6 +403,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return self._refusal(stream, Reply(404, "model_not_found", catalogue.unknown_message(name),
                                            type="invalid_request_error", param="model"))
 
+    def _unknown_model(self, request: RequestView) -> bool:
+        view = self.source.view
+        return view is not None and view.catalogue.unknown(request.model)
+
     def _model_label(self, version: str | None) -> str:
         """A version as a metric label: one the catalogue lists, else "other" (bounded label values)."""
         view = self.source.view
@@ -476,6 +481,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             stream.forwarded = True
             return wire.without_pick(headers_phase, mutation)
         if not view.routable:
+            if view.catalogue.unknown(request.model):  # a 404 whatever state the fleet is in
+                return self._reply(stream, request, view.catalogue.not_found(request.model or ""))
             self.metrics.count("fallbacks", "no_endpoint")
             return wire.NO_ENDPOINT
         if request.estimated and stream.tokens:
@@ -499,11 +506,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self.metrics.count("fallbacks", "no_decision")
             stream.forwarded = True
             return wire.without_pick(headers_phase, mutation, request.tokens)
-        self.metrics.count("admit_replies", outcome.code)
-        if outcome.param == "model":  # the model filter's 404 or 503
-            self.metrics.model_answer(self._model_label(request.model), str(outcome.status))
-        stream.outcome = "shed" if outcome.status == 429 else "failed"
-        return self._refusal(stream, outcome)
+        return self._reply(stream, request, outcome)
+
+    def _reply(self, stream: _Stream, request: RequestView, reply: Reply) -> bytes:
+        """ext_proc answers the request itself (an admit plugin's reply, the model filter's 404 or 503)."""
+        self.metrics.count("admit_replies", reply.code)
+        if reply.param == "model":
+            self.metrics.model_answer(self._model_label(request.model), str(reply.status))
+        stream.outcome = "shed" if reply.status == 429 else "failed"
+        return self._refusal(stream, reply)
 
     def _with_pick(self, stream: _Stream, view: FleetView, request: RequestView, decision: Decision,
                    headers_phase: bool, mutation: bytes) -> bytes:

@@ -6,12 +6,14 @@ from a fleet whose workers say what they serve (issue 15).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.model import Endpoint, FleetState, Health
 from ext_proc.model import EndpointView
+from ext_proc.server import ServiceSettings
 from ext_proc.tokens import TokenCounter
 from ext_proc.xds_client import XdsClient, XdsClientSettings, static_view
 from inferlb_runtime.model_routing import MODEL_HEADER, Rollout
@@ -97,6 +99,38 @@ def test_an_unknown_model_is_answered_404_by_ext_proc(counter: TokenCounter) -> 
             assert samples[("inferlb_ext_proc_model_requests_total",
                             frozenset({("model", "other"), ("code_class", "4xx")}))] == 1
             assert samples[("inferlb_ext_proc_admit_replies_total", frozenset({("code", "model_not_found")}))] == 1
+
+    asyncio.run(scenario())
+
+
+def test_an_unknown_model_is_404_even_when_nothing_is_routable_or_the_fleet_is_saturated(
+        counter: TokenCounter) -> None:  # noqa: F811
+    """Its answer does not depend on the fleet's state: no 503 while every worker is down, and no wait in the
+    fair queue (nor an extended Envoy timeout) while the fleet is saturated."""
+    down = dataclasses.replace(A, healthy=False)
+
+    async def scenario() -> None:
+        async with serving(counter, static_view([down])) as h:
+            call = h.stub.Process()
+            await exchange(call, request_headers())
+            answer = await exchange(call, request_body({"model": "no-such-model", "input": "hello"}))
+            assert answer.immediate_response.status.code == 404
+            call = h.stub.Process()  # a known model with nothing routable: still the fleet's 503
+            await exchange(call, request_headers())
+            answer = await exchange(call, request_body({"model": INT8, "input": "hello"}))
+            assert answer.immediate_response.status.code == 503
+        async with serving(counter, static_view([A]), settings=ServiceSettings(fair_queue_depth=1)) as h:
+            holder = h.stub.Process()
+            await exchange(holder, request_headers())
+            held = await exchange(holder, request_body({"model": INT8, "input": "hello"}))
+            assert held.WhichOneof("response") == "request_body"  # routed: the one endpoint is now full
+            assert not h.servicer.gate.passes_now()
+            call = h.stub.Process()
+            await exchange(call, request_headers())
+            answer = await exchange(call, request_body({"model": "no-such-model", "input": "hello"}))
+            assert answer.WhichOneof("response") == "immediate_response"  # not override_message_timeout
+            assert answer.immediate_response.status.code == 404 and h.servicer.gate.waiting == 0
+            holder.cancel()
 
     asyncio.run(scenario())
 
