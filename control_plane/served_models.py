@@ -25,6 +25,10 @@ from inferlb_runtime.model_routing import DEFAULT_POOL, POOL_PATTERN, check_mode
 
 MODEL_INFO = "inferlb_worker_model_info"  # {model, family, aliases="a,b"} 1
 POOL_INFO = "inferlb_worker_pool_info"  # {pool} 1
+# What one worker may declare: its catalogue rides in every ext_proc EDS push, so a worker (untrusted
+# input) claiming thousands of names must not bloat it. Beyond these, names are left out and reported.
+MAX_MODELS = 64
+MAX_ALIASES = 256
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,13 @@ def read_served_models(families: Mapping[str, Metric]) -> ServedModelsReading:
                             "at most 63 characters")
     if len(pools) > 1:
         problems.append(f"several pools {sorted(pools)}: taking {min(pools)!r}")
-    served = ServedModels(tuple(sorted(models)), tuple(sorted(aliases - models)),
+    if len(models) > MAX_MODELS:
+        problems.append(f"{len(models)} models: keeping the first {MAX_MODELS} in sort order")
+        models = set(sorted(models)[:MAX_MODELS])
+    aliases -= models
+    if len(aliases) > MAX_ALIASES:
+        problems.append(f"{len(aliases)} aliases: keeping the first {MAX_ALIASES} in sort order")
+        aliases = set(sorted(aliases)[:MAX_ALIASES])
+    served = ServedModels(tuple(sorted(models)), tuple(sorted(aliases)),
                           min(pools) if pools else DEFAULT_POOL)
     return ServedModelsReading(served, tuple(problems))

@@ -10,7 +10,7 @@ from starlette.applications import Starlette
 
 from control_plane.model import Endpoint, Health
 from control_plane.scraper import ScrapeFailed, ScrapeOk, Scraper, apply_scrape_results
-from control_plane.served_models import ServedModels, read_served_models
+from control_plane.served_models import MAX_ALIASES, MAX_MODELS, ServedModels, read_served_models
 from control_plane.telemetry import parse_families
 from inferlb_runtime.model_routing import DEFAULT_POOL
 
@@ -93,6 +93,16 @@ def test_several_pools_take_the_first_in_sort_order_and_say_so() -> None:
     got, problems = served(POOL_TYPE + 'inferlb_worker_pool_info{pool="zeta"} 1\n'
                                        'inferlb_worker_pool_info{pool="alpha"} 1\n')
     assert got.pool == "alpha" and any("several pools" in p for p in problems)
+
+
+def test_a_worker_declaring_too_many_names_is_capped_and_reported() -> None:
+    lines = "".join(f'inferlb_worker_model_info{{model="m{i:03d}",aliases="a{i:03d}-1,a{i:03d}-2,a{i:03d}-3,'
+                    f'a{i:03d}-4,a{i:03d}-5"}} 1\n' for i in range(MAX_MODELS + 10))
+    got, problems = served(MODEL_TYPE + lines)
+    assert got.models == tuple(f"m{i:03d}" for i in range(MAX_MODELS))
+    assert len(got.aliases) == MAX_ALIASES and got.aliases == tuple(sorted(got.aliases))
+    assert any(f"{MAX_MODELS + 10} models" in p for p in problems)
+    assert any("aliases: keeping the first" in p for p in problems)
 
 
 # --- folding into the endpoints ---------------------------------------------------------------------------
