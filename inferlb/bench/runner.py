@@ -215,7 +215,8 @@ class ScenarioRunner:
         key = (round(rps, 6), s.warmup_s, s.duration_s)
         if key not in self._traces:
             trace = build_trace(s.workload, rps, s.warmup_s + s.duration_s, s.seed)
-            self._traces[key] = (trace, bodies_for(trace.tokens.tolist(), inputs=s.workload.inputs_per_request))
+            self._traces[key] = (trace, bodies_for(trace.tokens.tolist(), inputs=s.workload.inputs_per_request,
+                                                   repeat_of=trace.repeat_of.tolist()))
         return self._traces[key]
 
     # --- one configuration's processes ---------------------------------------------------------

@@ -87,6 +87,12 @@ class Workload:
     # bursty on/off: Poisson at rate * (on_s + off_s) / on_s during "on", nothing during "off"
     burst_on_s: float = 1.0
     burst_off_s: float = 1.0
+    # Repeated inputs (issue 16: what a response cache can answer): each request is, with probability
+    # repeat_rate, a repeat of one of the first repeat_pool distinct texts sent, drawn Zipf(repeat_zipf_s)
+    # by rank (the first text sent is the most popular); else a fresh text. 0: no deliberate repeats.
+    repeat_rate: float = 0.0
+    repeat_pool: int = 1000
+    repeat_zipf_s: float = 1.1
 
 
 @dataclass(frozen=True)
@@ -184,6 +190,9 @@ def _validate(s: Scenario) -> None:
          "workload.classes shares (critical, standard, sheddable) must be >= 0 and add up to 1")
     need(0 <= s.shed_slo_ms <= 3_600_000, "shed_slo_ms must be in [0, 3600000] (0: no shedding)")
     need(s.workload.burst_on_s > 0 and s.workload.burst_off_s >= 0, "burst_on_s must be > 0, burst_off_s >= 0")
+    need(0 <= s.workload.repeat_rate <= 1, f"workload.repeat_rate must be in [0, 1], got {s.workload.repeat_rate!r}")
+    need(s.workload.repeat_pool >= 1, f"workload.repeat_pool must be >= 1, got {s.workload.repeat_pool!r}")
+    need(s.workload.repeat_zipf_s > 0, f"workload.repeat_zipf_s must be > 0, got {s.workload.repeat_zipf_s!r}")
     for c in s.configurations:
         need(known_configuration(c),
              f"unknown configuration {c!r}; known: {', '.join(CONFIGURATIONS)}, {PICK_PREFIX}<policy>")

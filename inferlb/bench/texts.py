@@ -58,12 +58,17 @@ def embeddings_body(tokens: int, variant: int = 0, *, inputs: int = 1, model: st
     return orjson.dumps({"model": model, "input": payload})
 
 
-def bodies_for(tokens: Sequence[int], *, inputs: int = 1, model: str = MODEL) -> list[bytes]:
+def bodies_for(tokens: Sequence[int], *, inputs: int = 1, model: str = MODEL,
+               repeat_of: Sequence[int] | None = None) -> list[bytes]:
     """Pre-encoded bodies for a trace's token counts (``Trace.tokens``), in the same order.
 
-    Request ``i`` gets variant ``i % VARIANTS`` of its length; equal bodies are
-    shared objects, so a long trace costs memory per distinct body only.
+    Without repeats (``repeat_of`` None or all -1: ``Trace.repeat_of``), request ``i`` gets variant
+    ``i % VARIANTS`` of its length; equal bodies are shared objects, so a long trace costs memory per
+    distinct body only. With repeats, a repeat is its source's very body and every fresh request gets
+    a variant of its own, so only the trace's deliberate repeats are identical (what a cache may hit).
     """
+    if repeat_of is not None and any(int(r) >= 0 for r in repeat_of):
+        return _bodies_with_repeats(tokens, repeat_of, inputs=inputs, model=model)
     cache: dict[tuple[int, int], bytes] = {}
     out = []
     for i, n in enumerate(tokens):
@@ -72,6 +77,25 @@ def bodies_for(tokens: Sequence[int], *, inputs: int = 1, model: str = MODEL) ->
         if body is None:
             body = cache[key] = embeddings_body(key[0], key[1], inputs=inputs, model=model)
         out.append(body)
+    return out
+
+
+def _bodies_with_repeats(tokens: Sequence[int], repeat_of: Sequence[int], *, inputs: int,
+                         model: str) -> list[bytes]:
+    if len(repeat_of) != len(tokens):
+        raise ValueError(f"repeat_of has {len(repeat_of)} entries for {len(tokens)} requests")
+    out: list[bytes] = []
+    fresh = 0
+    for i, (n, source) in enumerate(zip(tokens, repeat_of)):
+        source = int(source)
+        if source >= 0:
+            if source >= i:
+                raise ValueError(f"request {i} repeats request {source}, which is not an earlier one")
+            out.append(out[source])
+            continue
+        # variants past the shared ones: a fresh text differs from every other of its length
+        out.append(embeddings_body(int(n), VARIANTS + fresh, inputs=inputs, model=model))
+        fresh += 1
     return out
 
 

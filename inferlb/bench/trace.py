@@ -13,6 +13,12 @@ Arrivals:
 
 Lengths: a bucket is chosen by its share, then the token count (including
 [CLS] and [SEP]) uniformly in ``[min_tokens, max_tokens]``.
+
+Repeats (``workload.repeat_rate`` > 0): exactly ``round(repeat_rate * n)``
+requests (never the first) repeat an earlier request's text: the one of
+popularity rank ``k`` among the first ``repeat_pool`` fresh requests, ``k``
+drawn Zipf(``repeat_zipf_s``) over the ranks already sent. A repeat takes its
+source's length; ``repeat_of`` says which request that is (-1: fresh).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ class Trace:
     ``send_at_s``: float64 seconds from the start of the run, non-decreasing.
     ``tokens``: int64 token count of each request's input (incl. [CLS]/[SEP]).
     ``bucket``: int64 index into ``workload.mix`` each length was drawn from.
+    ``repeat_of``: int64 index of the earlier fresh request whose text request ``i`` repeats, -1 for a
+    fresh text (all -1 when not given).
     """
 
     send_at_s: np.ndarray
@@ -42,12 +50,15 @@ class Trace:
     rate_rps: float
     duration_s: float
     seed: int
+    repeat_of: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.send_at_s.size)
 
     def __post_init__(self) -> None:
-        for name in ("send_at_s", "tokens", "bucket"):
+        if self.repeat_of is None:
+            object.__setattr__(self, "repeat_of", np.full(self.send_at_s.size, -1, dtype=np.int64))
+        for name in ("send_at_s", "tokens", "bucket", "repeat_of"):
             getattr(self, name).setflags(write=False)  # frozen all the way down: shared by B and C
 
     def window(self, start_s: float, end_s: float | None = None) -> np.ndarray:
@@ -60,9 +71,10 @@ def build_trace(workload: Workload, rate_rps: float, duration_s: float, seed: in
     """The schedule of ``duration_s`` seconds of ``workload`` at a mean ``rate_rps`` requests/s.
 
     The same arguments always give the same trace (numpy's PCG64 seeded with
-    ``seed``; arrivals and lengths use independent child streams, so changing
-    the mix does not move the arrival times). Raises ``ValueError`` naming the
-    bad argument.
+    ``seed``; arrivals, lengths and repeats use independent child streams, so
+    changing the mix does not move the arrival times, and a trace without
+    repeats is the same as before the knob existed). Raises ``ValueError``
+    naming the bad argument.
     """
     if not np.isfinite(rate_rps) or rate_rps <= 0:
         raise ValueError(f"rate_rps must be a finite number > 0, got {rate_rps!r}")
@@ -74,8 +86,9 @@ def build_trace(workload: Workload, rate_rps: float, duration_s: float, seed: in
         raise ValueError(f"rate_rps * duration_s = {rate_rps * duration_s:.0f} requests, over the limit of "
                          f"{MAX_EXPECTED_REQUESTS}")
     _check_mix(workload)
-    arrivals_rng, lengths_rng = (np.random.Generator(np.random.PCG64(s))
-                                 for s in np.random.SeedSequence(int(seed)).spawn(2))
+    # spawn(3)'s first two children are spawn(2)'s: adding the repeats' stream moved nothing
+    arrivals_rng, lengths_rng, repeats_rng = (np.random.Generator(np.random.PCG64(s))
+                                              for s in np.random.SeedSequence(int(seed)).spawn(3))
     if workload.arrival == "poisson":
         send_at = _poisson(arrivals_rng, rate_rps, duration_s)
     elif workload.arrival == "bursty":
@@ -83,7 +96,11 @@ def build_trace(workload: Workload, rate_rps: float, duration_s: float, seed: in
     else:
         raise ValueError(f"workload.arrival must be 'poisson' or 'bursty', got {workload.arrival!r}")
     bucket, tokens = _lengths(lengths_rng, workload, send_at.size)
-    return Trace(send_at, tokens, bucket, float(rate_rps), float(duration_s), int(seed))
+    repeat_of = _repeats(repeats_rng, workload, send_at.size)
+    repeats = repeat_of >= 0
+    tokens[repeats] = tokens[repeat_of[repeats]]
+    bucket[repeats] = bucket[repeat_of[repeats]]
+    return Trace(send_at, tokens, bucket, float(rate_rps), float(duration_s), int(seed), repeat_of)
 
 
 def _check_mix(workload: Workload) -> None:
@@ -96,6 +113,11 @@ def _check_mix(workload: Workload) -> None:
     total = sum(b.share for b in mix)
     if abs(total - 1.0) > 1e-6:
         raise ValueError(f"workload.mix shares must add up to 1, got {total:g}")
+    if not 0 <= workload.repeat_rate <= 1:
+        raise ValueError(f"workload.repeat_rate must be in [0, 1], got {workload.repeat_rate!r}")
+    if workload.repeat_pool < 1 or not workload.repeat_zipf_s > 0:
+        raise ValueError(f"workload.repeat_pool must be >= 1 and repeat_zipf_s > 0, got {workload.repeat_pool!r} "
+                         f"and {workload.repeat_zipf_s!r}")
     if workload.arrival == "bursty" and not (workload.burst_on_s > 0 and workload.burst_off_s >= 0):
         raise ValueError("bursty arrival needs burst_on_s > 0 and burst_off_s >= 0")
 
@@ -138,3 +160,26 @@ def _lengths(rng: np.random.Generator, workload: Workload, n: int) -> tuple[np.n
     hi = np.array([b.max_tokens for b in workload.mix], dtype=np.int64)[bucket]
     tokens = rng.integers(lo, hi + 1, dtype=np.int64)  # inclusive of max_tokens
     return bucket, tokens
+
+
+def _repeats(rng: np.random.Generator, workload: Workload, n: int) -> np.ndarray:
+    """Per request, the index of the fresh request it repeats, or -1 (see the module's docstring).
+
+    The repeats' count is exact (``round(repeat_rate * n)``, chosen without replacement among
+    requests 1..n-1), so a bench's hit share does not wobble with the seed. Rank ``k`` (0-based)
+    is the ``k``-th fresh request; a repeat at ``i`` draws over the ranks sent before ``i`` only,
+    by inverting the Zipf weights' cumulative sum truncated there.
+    """
+    repeat_of = np.full(n, -1, dtype=np.int64)
+    count = min(int(round(workload.repeat_rate * n)), n - 1)
+    if count <= 0:
+        return repeat_of
+    chosen = np.sort(rng.choice(np.arange(1, n), size=count, replace=False))
+    fresh = np.ones(n, dtype=bool)
+    fresh[chosen] = False
+    fresh_index = np.flatnonzero(fresh)
+    available = np.minimum(np.cumsum(fresh)[chosen], workload.repeat_pool)  # ranks sent before each repeat
+    weights = np.cumsum(np.arange(1, workload.repeat_pool + 1, dtype=np.float64) ** -workload.repeat_zipf_s)
+    rank = np.searchsorted(weights, rng.random(count) * weights[available - 1], side="right")
+    repeat_of[chosen] = fresh_index[np.minimum(rank, available - 1)]
+    return repeat_of

@@ -28,6 +28,10 @@ from typing import Any, Callable, Mapping, Sequence
 from ...bootstrap import render_bootstrap
 from ...supervisor import Component
 from ..fleet import child_env
+
+# ext_proc's gateway cache (issue 16) is on by default in the product; a balancer comparison turns it off,
+# so that each configuration's workers see every request (``inferlb bench cache`` turns it back on).
+EXT_PROC_CACHE_ENV = "INFERLB_EXT_PROC_CACHE_MAX_BYTES"
 from ..scenario import CONFIGURATIONS, PICK_PREFIX, known_configuration
 from .envoy_static import POLICIES, WORKERS_CLUSTER, render_static_bootstrap
 from .nginx import NGINX, nginx_argv, prefix_directories, render_nginx_conf
@@ -154,9 +158,9 @@ def plan_data_plane(
                 str(ports.ext_proc_metrics), "--xds-port", str(ports.xds), "--log-level", "warning"]
         if pick:
             argv += ["--pick-policy", pick]
+        env = child_env({"INFERLB_DATA_DIR": str(cp_data), EXT_PROC_CACHE_ENV: "0"})
         second.insert(0, Component(name="ext_proc", argv=argv, ready_url=f"{ext_proc_metrics_url}/readyz",
-                                   log_path=logs / "ext_proc.log", env=child_env({"INFERLB_DATA_DIR": str(cp_data)}),
-                                   ready_timeout_s=60.0))
+                                   log_path=logs / "ext_proc.log", env=env, ready_timeout_s=60.0))
     return DataPlanePlan(configuration, url, {bootstrap: text}, ((control_plane,), tuple(second)),
                          envoy_admin_url=envoy_admin_url, control_plane_url=cp_url,
                          ext_proc_metrics_url=ext_proc_metrics_url, admin_token=token, pick_policy=pick,
