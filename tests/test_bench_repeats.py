@@ -93,3 +93,12 @@ def test_bad_repeat_settings_are_refused_by_name(workload: dict, message: str) -
 def test_a_scenario_file_sets_the_knob() -> None:
     s = scenario_from_mapping({"workload": {"repeat_rate": 0.3, "repeat_pool": 500, "repeat_zipf_s": 1.2}})
     assert (s.workload.repeat_rate, s.workload.repeat_pool, s.workload.repeat_zipf_s) == (0.3, 500, 1.2)
+
+
+def test_a_salt_gives_another_traces_fresh_texts() -> None:
+    trace = build_trace(Workload(repeat_rate=0.3, repeat_pool=20), 100, 5, seed=2)
+    a = bodies_for(trace.tokens, repeat_of=trace.repeat_of, salt=1)
+    b = bodies_for(trace.tokens, repeat_of=trace.repeat_of, salt=2)
+    assert not set(a) & set(b) and a == bodies_for(trace.tokens, repeat_of=trace.repeat_of, salt=1)
+    with pytest.raises(ValueError, match="salt"):
+        bodies_for(trace.tokens, repeat_of=trace.repeat_of, salt=-1)

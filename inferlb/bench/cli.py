@@ -7,7 +7,8 @@ classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests
 workers full of the largest ones, per worker scheduling option) in ``hogs.py``; ``inferlb bench fair`` (issue 14's
 fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in ``fair.py``; ``inferlb bench
 autoscale`` (issue 15's elastic pool under a load step) in ``autoscale.py``; ``inferlb bench rollout`` (issue 15's
-canary split and rollback speed) in ``rollout.py``; the component
+canary split and rollback speed) in ``rollout.py``; ``inferlb bench cache`` (issue 16's response cache, off and on,
+under repeated inputs) in ``cache.py``; the component
 benchmarks ``inferlb bench worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
 ``ext_proc_bench/``, ``quota`` (a tenant's key lookup and quota check) in
 ``quota_bench.py`` and ``quota-accuracy`` (tokens admitted per window against the
@@ -21,6 +22,7 @@ import argparse
 
 from . import (
     autoscale,
+    cache,
     fair,
     hogs,
     load_command,
@@ -68,6 +70,10 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                "switch and its rollback take effect", description=rollout.DESCRIPTION)
     rollout.add_arguments(roll)
     roll.set_defaults(func=rollout.main)
+    cached = commands.add_parser("cache", help="the response cache off and on at 30%% repeated inputs: throughput "
+                                 "at the SLO and a hit's latency", description=cache.DESCRIPTION)
+    cache.add_arguments(cached)
+    cached.set_defaults(func=cache.main)
     hog = commands.add_parser("hogs", help="one-sentence requests while every worker holds the largest requests",
                               description=hogs.DESCRIPTION)
     hogs.add_arguments(hog)

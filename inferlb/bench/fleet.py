@@ -65,10 +65,11 @@ def worker_argv(fleet: Fleet, worker: int, port: int, python: str = sys.executab
 
 
 def fleet_components(fleet: Fleet, layout: FleetLayout, log_dir: Path, data_dir: Path,
-                     python: str = sys.executable) -> list[Component]:
+                     python: str = sys.executable, env: Mapping[str, str] | None = None) -> list[Component]:
+    """One component per worker; ``env`` adds to every worker's environment (e.g. its cache setting)."""
     if len(layout.ports) != len(fleet.workers):
         raise ValueError(f"{len(fleet.workers)} workers but {len(layout.ports)} ports")
-    env = child_env({"INFERLB_DATA_DIR": str(data_dir)})
+    env = child_env({"INFERLB_DATA_DIR": str(data_dir), **(env or {})})
     return [
         Component(name=f"worker:{port}", argv=worker_argv(fleet, i, port, python),
                   ready_url=f"http://{HOST}:{port}/readyz", log_path=log_dir / f"worker-{port}.log", env=env,

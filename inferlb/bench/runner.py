@@ -191,6 +191,7 @@ class ScenarioRunner:
         self._traces: dict[tuple[float, float, float], tuple[Any, list[bytes]]] = {}
         self._log = out_dir / "logs" / "bench.log"
         self.envoy = find_envoy()
+        self.worker_env: dict[str, str] = {}  # added to every worker's environment
 
     @staticmethod
     def _distinct_ports(n: int) -> list[int]:
@@ -231,7 +232,7 @@ class ScenarioRunner:
         workdir = self.out_dir / "runs" / _slug(plan.configuration)
         started = time.monotonic()
         await group.start(fleet_components(self.scenario.fleet, self.layout, workdir / "logs",
-                                           workdir / "worker-data"))
+                                           workdir / "worker-data", env=self.worker_env))
         await start_data_plane(plan, group, client, self.layout.ids)
         self.report(f"  ready in {time.monotonic() - started:.1f}s: fleet of {len(self.layout.ports)} + "
                     f"{plan.configuration} at {plan.url}")

@@ -59,16 +59,20 @@ def embeddings_body(tokens: int, variant: int = 0, *, inputs: int = 1, model: st
 
 
 def bodies_for(tokens: Sequence[int], *, inputs: int = 1, model: str = MODEL,
-               repeat_of: Sequence[int] | None = None) -> list[bytes]:
+               repeat_of: Sequence[int] | None = None, salt: int = 0) -> list[bytes]:
     """Pre-encoded bodies for a trace's token counts (``Trace.tokens``), in the same order.
 
     Without repeats (``repeat_of`` None or all -1: ``Trace.repeat_of``), request ``i`` gets variant
     ``i % VARIANTS`` of its length; equal bodies are shared objects, so a long trace costs memory per
     distinct body only. With repeats, a repeat is its source's very body and every fresh request gets
-    a variant of its own, so only the trace's deliberate repeats are identical (what a cache may hit).
+    a variant of its own, so only the trace's deliberate repeats are identical (what a cache may hit);
+    ``salt`` (0 .. 2**20) gives another trace's fresh texts, none equal to this one's (for traces under
+    a million requests: the variants are ``salt * 2**32 + ...``, far apart in the text's seed).
     """
     if repeat_of is not None and any(int(r) >= 0 for r in repeat_of):
-        return _bodies_with_repeats(tokens, repeat_of, inputs=inputs, model=model)
+        if not 0 <= salt < 2**20:
+            raise ValueError(f"salt must be in [0, 2**20), got {salt!r}")
+        return _bodies_with_repeats(tokens, repeat_of, inputs=inputs, model=model, first=(salt << 32) + VARIANTS)
     cache: dict[tuple[int, int], bytes] = {}
     out = []
     for i, n in enumerate(tokens):
@@ -80,8 +84,8 @@ def bodies_for(tokens: Sequence[int], *, inputs: int = 1, model: str = MODEL,
     return out
 
 
-def _bodies_with_repeats(tokens: Sequence[int], repeat_of: Sequence[int], *, inputs: int,
-                         model: str) -> list[bytes]:
+def _bodies_with_repeats(tokens: Sequence[int], repeat_of: Sequence[int], *, inputs: int, model: str,
+                         first: int) -> list[bytes]:
     if len(repeat_of) != len(tokens):
         raise ValueError(f"repeat_of has {len(repeat_of)} entries for {len(tokens)} requests")
     out: list[bytes] = []
@@ -94,7 +98,7 @@ def _bodies_with_repeats(tokens: Sequence[int], repeat_of: Sequence[int], *, inp
             out.append(out[source])
             continue
         # variants past the shared ones: a fresh text differs from every other of its length
-        out.append(embeddings_body(int(n), VARIANTS + fresh, inputs=inputs, model=model))
+        out.append(embeddings_body(int(n), first + fresh, inputs=inputs, model=model))
         fresh += 1
     return out
 

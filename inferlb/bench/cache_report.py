@@ -1,0 +1,169 @@
+"""``inferlb bench cache``'s plan and figures: what runs, and the pure functions that judge it.
+
+Issue 16's targets: at a 30% repeat rate the fleet's throughput at the SLO is at least 1.4x what it is
+without the cache, and a hit answers through Envoy in at most 2 ms at p50. Throughput at the SLO is
+read off a load sweep (rates rising geometrically, open loop): the highest rate whose p99 met the SLO
+with no error and no timeout, stopping at the first rate that missed (beyond it the fleet is
+overloaded and every later rate would only queue longer). Kept apart from the live half so the rules
+are tested without a stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MIB = 1024 * 1024
+RATIO_TARGET = 1.4
+HIT_P50_TARGET_S = 0.002
+MAX_LOADS = 40  # a load loop's bound, whatever the flags say
+HIT = "hit"
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """What the bench runs; loads are fractions of the simulated fleet's no-cache capacity."""
+
+    repeat_rate: float = 0.3
+    repeat_pool: int = 1000
+    zipf_s: float = 1.1
+    workers: int = 2
+    slots: int = 2
+    cost_scale: float = 8.0  # the simulated cost curve stretched: the fleet, not the 2-core host, saturates
+    load_min: float = 0.6
+    load_max: float = 2.0
+    load_step: float = 1.1  # each rate is the one before times this
+    duration_s: float = 10.0  # measured, per rate
+    warmup_s: float = 2.0  # sent before it, not measured
+    slo_s: float = 0.5
+    timeout_s: float = 10.0
+    hit_requests: int = 300  # the closed-loop series of one repeated body
+    hit_warmup: int = 20
+    cache_max_bytes: int = 64 * MIB  # ext_proc's, when on
+    seed: int = 1
+
+    def loads(self) -> tuple[float, ...]:
+        """The sweep's loads, from ``load_min`` up to ``load_max`` (included, give or take rounding)."""
+        out, load = [], self.load_min
+        while load <= self.load_max * (1 + 1e-9) and len(out) < MAX_LOADS:
+            out.append(round(load, 4))
+            load *= self.load_step
+        return tuple(out)
+
+    def problems(self) -> list[str]:
+        out = []
+        if not 0 <= self.repeat_rate <= 1:
+            out.append(f"--repeat-rate must be in [0, 1], got {self.repeat_rate:g}")
+        if not self.zipf_s > 0:
+            out.append(f"--zipf-s must be > 0, got {self.zipf_s:g}")
+        for name in ("repeat_pool", "workers", "slots", "hit_requests"):
+            if getattr(self, name) < 1:
+                out.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.load_min <= self.load_max:
+            out.append(f"--load-min must be > 0 and <= --load-max, got {self.load_min:g} and {self.load_max:g}")
+        if not self.load_step > 1:
+            out.append(f"--load-step must be > 1, got {self.load_step:g}")
+        for name in ("duration_s", "slo_s", "timeout_s", "cost_scale"):
+            if not getattr(self, name) > 0:
+                out.append(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0, got {getattr(self, name):g}")
+        if self.warmup_s < 0 or self.hit_warmup < 0:
+            out.append("warm-ups must be >= 0")
+        if self.cache_max_bytes < 1:
+            out.append(f"--cache-max-bytes must be >= 1 (the cache is on in one mode), got {self.cache_max_bytes}")
+        return out
+
+
+QUICK = {"duration_s": 4.0, "warmup_s": 1.0, "load_step": 1.25, "hit_requests": 100}
+
+
+def cache_counts(metrics_text: str) -> dict[str, float]:
+    """ext_proc's ``inferlb_ext_proc_cache_requests_total`` by result, summed over levels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == "inferlb_ext_proc_cache_requests_total":
+                out[s.labels.get("result", "?")] = out.get(s.labels.get("result", "?"), 0.0) + s.value
+    return out
+
+
+def hit_ratio(before: Mapping[str, float], after: Mapping[str, float]) -> float | None:
+    """Hits over hits and misses between two ``cache_counts`` (None: no lookup, e.g. the cache off)."""
+    hits = after.get(HIT, 0.0) - before.get(HIT, 0.0)
+    misses = after.get("miss", 0.0) - before.get("miss", 0.0)
+    return round(hits / (hits + misses), 4) if hits + misses > 0 else None
+
+
+def meets(point: Mapping[str, Any], slo_s: float) -> bool:
+    """A rate met the SLO: answers came, p99 within it, no error and no timeout."""
+    return point["completed"] > 0 and point["p99_s"] <= slo_s and point["errors"] == 0 and point["timeouts"] == 0
+
+
+def throughput_at_slo(points: Sequence[Mapping[str, Any]], slo_s: float) -> float:
+    """The highest offered rate (req/s) that met the SLO before the first that did not; 0 if none did."""
+    best = 0.0
+    for point in sorted(points, key=lambda p: p["rps"]):
+        if not meets(point, slo_s):
+            break
+        best = point["rps"]
+    return best
+
+
+def latency_figures(latencies_s: Sequence[float], caches: Sequence[str | None]) -> dict[str, Any]:
+    """The closed-loop series: how many answers said hit, and the hits' latency percentiles."""
+    hits = np.array([t for t, c in zip(latencies_s, caches) if c == HIT], dtype=np.float64)
+    out: dict[str, Any] = {"requests": len(latencies_s), "hits": int(hits.size)}
+    for name, values in (("hit", hits), ("all", np.asarray(latencies_s, dtype=np.float64))):
+        if values.size:
+            out[f"{name}_p50_ms"] = round(float(np.percentile(values, 50)) * 1e3, 3)
+            out[f"{name}_p99_ms"] = round(float(np.percentile(values, 99)) * 1e3, 3)
+    return out
+
+
+def verdicts(off_points: Sequence[Mapping[str, Any]], on_points: Sequence[Mapping[str, Any]],
+             hits: Mapping[str, Any], slo_s: float) -> dict[str, Any]:
+    """The two targets, each with its figures and met / not met (a target without figures is not met)."""
+    off, on = throughput_at_slo(off_points, slo_s), throughput_at_slo(on_points, slo_s)
+    ratio = round(on / off, 3) if off > 0 else None
+    p50_ms = hits.get("hit_p50_ms")
+    return {"throughput_off_rps": round(off, 2), "throughput_on_rps": round(on, 2), "ratio": ratio,
+            "ratio_target": RATIO_TARGET, "ratio_met": ratio is not None and ratio >= RATIO_TARGET,
+            "hit_p50_ms": p50_ms, "hit_p50_target_ms": HIT_P50_TARGET_S * 1e3,
+            "hit_met": p50_ms is not None and hits.get("hits", 0) > 0 and p50_ms <= HIT_P50_TARGET_S * 1e3}
+
+
+def render(report: Mapping[str, Any]) -> str:
+    """The table printed at the end."""
+    v, plan = report["verdicts"], report["plan"]
+    lines = [f"cache bench: {plan['repeat_rate']:.0%} repeats (Zipf s={plan['zipf_s']:g} over {plan['repeat_pool']} "
+             f"texts), {plan['workers']} simulated workers, no-cache capacity {report['capacity_rps']:.1f} req/s "
+             f"(the cost model's), SLO p99 <= {plan['slo_s'] * 1e3:.0f} ms",
+             f"  {'load':>6} {'req/s':>7} | {'off p99 ms':>10} {'err':>4} | {'on p99 ms':>10} {'err':>4} {'hits':>6}"]
+    on = {p["load"]: p for p in report["on"]["sweep"]}
+    off = {p["load"]: p for p in report["off"]["sweep"]}
+
+    def cells(p: Mapping[str, Any] | None, hits: bool) -> str:
+        if p is None:
+            return f"{'-':>10} {'-':>4}" + (f" {'-':>6}" if hits else "")
+        out = f"{p['p99_s'] * 1e3:>10.1f} {p['errors'] + p['timeouts']:>4}"
+        if hits:
+            out += f" {p['hit_ratio']:>6.1%}" if p.get("hit_ratio") is not None else f" {'-':>6}"
+        return out
+
+    for load in sorted(set(on) | set(off)):
+        rps = (on.get(load) or off[load])["rps"]
+        lines.append(f"  {load:>6.2f} {rps:>7.1f} | {cells(off.get(load), False)} | {cells(on.get(load), True)}")
+    ratio = f"{v['ratio']:.2f}x" if v["ratio"] is not None else "n/a"
+    lines.append(f"  throughput at the SLO: off {v['throughput_off_rps']:.1f} req/s, on {v['throughput_on_rps']:.1f} "
+                 f"req/s = {ratio} (target >= {v['ratio_target']:g}x): {'met' if v['ratio_met'] else 'NOT MET'}")
+    h = report["on"]["hit_series"]
+    p50 = f"{v['hit_p50_ms']:.2f} ms" if v["hit_p50_ms"] is not None else "n/a (no hit)"
+    base = report["off"]["hit_series"].get("all_p50_ms")
+    lines.append(f"  a hit through Envoy: p50 {p50} over {h['hits']} hits of {h['requests']} requests"
+                 + (f" (cache off, the same body: p50 {base:.2f} ms)" if base is not None else "")
+                 + f" (target <= {v['hit_p50_target_ms']:g} ms): {'met' if v['hit_met'] else 'NOT MET'}")
+    return "\n".join(lines)

@@ -1,0 +1,136 @@
+"""``inferlb bench cache``: its plan, the rules that read throughput at the SLO and a hit's latency off
+the measurements, the verdicts and the table, bad arguments, and a tiny run through the real stack
+(simulated workers, control plane, ext_proc, Envoy) with the gateway cache off and on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from inferlb.bench import cache as cache_command
+from inferlb.bench.cache_live import build_sweep, cache_scenario
+from inferlb.bench.cache_report import (
+    CachePlan,
+    cache_counts,
+    hit_ratio,
+    latency_figures,
+    meets,
+    render,
+    throughput_at_slo,
+    verdicts,
+)
+from inferlb.bench.capacity import theoretical_capacity_rps
+
+
+def point(load: float, p99_ms: float, errors: int = 0, timeouts: int = 0, completed: int = 100,
+          hit: float | None = None) -> dict:
+    return {"load": load, "rps": load * 50, "sent": 100, "completed": completed, "errors": errors,
+            "timeouts": timeouts, "p50_s": p99_ms / 2e3, "p99_s": p99_ms / 1e3, "hit_ratio": hit}
+
+
+def test_the_sweeps_loads_rise_geometrically_within_bounds() -> None:
+    loads = CachePlan().loads()
+    assert loads[0] == 0.6 and loads[-1] <= 2.0 and len(loads) == 13
+    assert all(b / a == pytest.approx(1.1, rel=1e-3) for a, b in zip(loads, loads[1:]))
+    assert CachePlan(load_min=1.0, load_max=1.0).loads() == (1.0,)
+    assert len(CachePlan(load_min=0.01, load_max=2.0, load_step=1.0001).loads()) == 40  # bounded
+
+
+def test_throughput_at_the_slo_is_the_last_rate_met_before_the_first_miss() -> None:
+    slo = 0.5
+    assert throughput_at_slo([point(0.6, 100), point(0.8, 300), point(1.0, 600)], slo) == 0.8 * 50
+    # an error or a timeout misses as surely as a slow p99; a later lucky rate does not count
+    assert throughput_at_slo([point(0.6, 100), point(0.8, 100, errors=1), point(1.0, 100)], slo) == 0.6 * 50
+    assert throughput_at_slo([point(0.6, 100, timeouts=2)], slo) == 0.0
+    assert throughput_at_slo([point(0.6, 100, completed=0)], slo) == 0.0
+    assert throughput_at_slo([], slo) == 0.0
+    assert meets(point(1.0, 500), slo) and not meets(point(1.0, 501), slo)
+
+
+def test_hit_ratio_and_counts_from_ext_procs_metrics() -> None:
+    text = """# TYPE inferlb_ext_proc_cache_requests counter
+inferlb_ext_proc_cache_requests_total{level="memory",result="hit"} 30.0
+inferlb_ext_proc_cache_requests_total{level="memory",result="miss"} 70.0
+inferlb_ext_proc_cache_requests_total{level="redis",result="hit"} 5.0
+inferlb_ext_proc_cache_requests_total{level="memory",result="bypass"} 2.0
+"""
+    counts = cache_counts(text)
+    assert counts == {"hit": 35.0, "miss": 70.0, "bypass": 2.0}
+    assert hit_ratio({"hit": 5.0, "miss": 20.0}, counts) == round(30 / 80, 4)
+    assert hit_ratio(counts, counts) is None and hit_ratio({}, {}) is None  # off: no lookups
+    assert cache_counts("") == {}
+
+
+def test_latency_figures_count_hits_and_take_the_hits_percentiles() -> None:
+    figures = latency_figures([0.001, 0.002, 0.003, 0.050], ["hit", "hit", "hit", "miss"])
+    assert figures["requests"] == 4 and figures["hits"] == 3 and figures["hit_p50_ms"] == 2.0
+    assert figures["all_p50_ms"] == 2.5
+    none = latency_figures([0.01, 0.02], [None, "miss"])
+    assert none["hits"] == 0 and "hit_p50_ms" not in none
+
+
+def test_verdicts_and_the_table() -> None:
+    off = [point(0.6, 100), point(0.8, 200), point(1.0, 900)]
+    on = [point(0.6, 80, hit=0.3), point(0.8, 90, hit=0.31), point(1.0, 150, hit=0.3), point(1.2, 400, hit=0.3),
+          point(1.4, 800, hit=0.3)]
+    hits = latency_figures([0.0012] * 10, ["hit"] * 10)
+    v = verdicts(off, on, hits, 0.5)
+    assert v["throughput_off_rps"] == 40.0 and v["throughput_on_rps"] == 60.0 and v["ratio"] == 1.5
+    assert v["ratio_met"] and v["hit_met"] and v["hit_p50_ms"] == 1.2
+    slow = verdicts(off, on[:2], latency_figures([0.003] * 4, ["hit"] * 4), 0.5)
+    assert slow["ratio"] == 1.0 and not slow["ratio_met"] and not slow["hit_met"]
+    nothing = verdicts([point(0.6, 900)], on, latency_figures([0.001], [None]), 0.5)
+    assert nothing["ratio"] is None and not nothing["ratio_met"] and not nothing["hit_met"]
+    report = {"plan": {"repeat_rate": 0.3, "zipf_s": 1.1, "repeat_pool": 1000, "workers": 2, "slo_s": 0.5},
+              "capacity_rps": 50.0, "verdicts": v, "off": {"sweep": off, "hit_series": latency_figures([0.03], [None])},
+              "on": {"sweep": on, "hit_series": hits}}
+    table = render(report)
+    assert "1.50x (target >= 1.4x): met" in table and "p50 1.20 ms over 10 hits of 10" in table
+    assert "cache off, the same body: p50 30.00 ms" in table and "30.0%" in table
+    assert len(table.splitlines()) == 2 + 5 + 2  # header, columns, one row per load, two verdicts
+
+
+def test_the_sweep_replays_repeats_and_each_rate_has_its_own_fresh_texts() -> None:
+    plan = CachePlan(duration_s=2.0, warmup_s=0.5, load_step=1.5)
+    scenario = cache_scenario(plan)
+    capacity = theoretical_capacity_rps(scenario)
+    sweep = build_sweep(plan, scenario, capacity)
+    assert [round(load, 4) for load, *_ in sweep] == list(plan.loads())
+    (_, rps0, t0, b0), (_, rps1, t1, b1) = sweep[:2]
+    assert rps1 > rps0 and not set(b0) & set(b1)
+    assert (t0.repeat_of >= 0).sum() == round(0.3 * len(t0))
+    assert len(set(b0)) == (t0.repeat_of < 0).sum()  # only the deliberate repeats are identical
+
+
+def _args(**overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cache_command.add_arguments(parser)
+    argv = [f"--{k.replace('_', '-')}={v}" if v is not True else f"--{k.replace('_', '-')}"
+            for k, v in overrides.items()]
+    return parser.parse_args(argv)
+
+
+def test_quick_shortens_what_was_not_given() -> None:
+    plan = cache_command.plan_from(_args(quick=True, duration=6))
+    assert plan.duration_s == 6 and plan.load_step == 1.25 and plan.hit_requests == 100 and plan.warmup_s == 1
+    assert cache_command.plan_from(_args()) == CachePlan()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"repeat_rate": 1.5}, "--repeat-rate must be in [0, 1]"),
+    ({"repeat_pool": 0}, "--repeat-pool must be >= 1"),
+    ({"zipf_s": 0}, "--zipf-s must be > 0"),
+    ({"load_min": 2, "load_max": 1}, "--load-min must be > 0 and <= --load-max"),
+    ({"load_step": 1}, "--load-step must be > 1"),
+    ({"duration": -1}, "--duration must be > 0"),
+    ({"slo_ms": 0}, "--slo must be > 0"),
+    ({"hit_requests": 0}, "--hit-requests must be >= 1"),
+    ({"cache_max_bytes": 0}, "--cache-max-bytes must be >= 1"),
+    ({"seed": -1}, "--seed must be >= 0"),
+])
+def test_bad_arguments_are_refused_by_name(overrides: dict, message: str, capsys: pytest.CaptureFixture) -> None:
+    assert cache_command.main(_args(**overrides)) == 2
+    assert message in capsys.readouterr().err
