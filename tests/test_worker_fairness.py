@@ -29,7 +29,8 @@ LARGE = {"input": [LONG_TEXT] * 64}
 
 @pytest.fixture(scope="module")
 def worker(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    with running_worker(data_dir, tmp_path_factory.mktemp("fair-worker")) as w:
+    # No worker cache: LARGE repeats one text, and the model must compute every copy to be busy.
+    with running_worker(data_dir, tmp_path_factory.mktemp("fair-worker"), "--cache-max-bytes", "0") as w:
         yield w
 
 

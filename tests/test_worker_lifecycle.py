@@ -154,7 +154,7 @@ def test_a_failed_warm_up_keeps_the_worker_unready(data_dir: Path, tmp_path: Pat
 def test_sigterm_finishes_in_flight_requests_and_refuses_new_ones(data_dir: Path, tmp_path: Path) -> None:
     long_text = "graceful shutdown keeps every accepted request " * 40
     body = {"input": [long_text] * 48}
-    with running_worker(data_dir, tmp_path) as worker:
+    with running_worker(data_dir, tmp_path, "--cache-max-bytes", "0") as worker:  # every copy computed
         results: list[httpx.Response | BaseException] = []
 
         def send() -> None:

@@ -149,7 +149,10 @@ def test_metrics_say_what_the_worker_serves_and_count_per_version(both: WorkerPr
     assert not any(name == "inferlb_worker_model_requests_total" and dict(labels)["code"] == "404"
                    for name, labels in after)
     assert delta("inferlb_worker_requests_total", code="200") == 2  # the fleet-level series are unchanged
-    assert delta("inferlb_worker_inputs_total") == 3
+    # every input was computed or answered by the worker cache (TEXT twice in one request is computed once)
+    assert sum(delta("inferlb_worker_cache_requests_total", result=result)
+               for result in ("hit", "miss", "coalesced")) == 3
+    assert delta("inferlb_worker_inputs_total") == delta("inferlb_worker_cache_requests_total", result="miss")
 
 
 # --- config ------------------------------------------------------------------------------------------

@@ -63,6 +63,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inputs", type=int, help="inputs per request (default 2048)")
     p.add_argument("--max-request-tokens", type=int,
                    help="tokens per request, all inputs together (default 16384, about 2 s on one core)")
+    p.add_argument("--cache-max-bytes", type=int,
+                   help="bytes of the per-input cache of embeddings, keyed by model version and token ids, least "
+                        "recently used evicted; identical inputs in flight are also computed once. 0 turns both "
+                        "off (default 32 MiB). A request's Cache-Control: no-cache skips the lookup, no-store also "
+                        "the store. --simulate workers have no cache")
     p.add_argument("--max-body-bytes", type=int, help="request body limit (default 4 MiB)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float,
                    help="seconds in-flight requests get after SIGTERM (default 30)")

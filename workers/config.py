@@ -63,6 +63,9 @@ class WorkerConfig:
     max_request_tokens: int = 16384
     max_body_bytes: int = 4 * 1024 * 1024
     max_queue_items: int = 8192
+    # The per-input cache (workers/input_cache.py): bytes of vectors kept, least recently used evicted;
+    # 0 turns the cache and the coalescing of identical inputs in flight off. Simulated workers have none.
+    cache_max_bytes: int = 32 * 1024 * 1024
     # Seconds in-flight requests get to finish after SIGTERM.
     shutdown_timeout_s: float = 30.0
     access_log: bool = False
@@ -92,6 +95,8 @@ class WorkerConfig:
         for name in ("cpus", "shutdown_timeout_s", "aging_s"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.cache_max_bytes < 0:
+            problems.append(f"cache_max_bytes must be >= 0 (0: no cache), got {self.cache_max_bytes}")
         if self.max_batch_wait_ms < 0:
             problems.append(f"max_batch_wait_ms must be >= 0, got {self.max_batch_wait_ms}")
         if problems:

@@ -164,6 +164,18 @@ class WorkerMetrics:
         )
         for model in models:
             self.model_request_duration.labels(model=model.name)
+        # The per-input cache (workers/input_cache.py): what became of each input, and what the cache holds.
+        self.cache_requests = Counter("inferlb_worker_cache_requests",
+                                      "Inputs by what the worker cache did with them: hit (answered from the cache), "
+                                      "miss (queued for the model), coalesced (joined an identical input computing).",
+                                      ["result"], registry=r)
+        self._cache_results = {result: self.cache_requests.labels(result=result)
+                               for result in ("hit", "miss", "coalesced")}
+        self.cache_bytes_gauge = Gauge("inferlb_worker_cache_bytes", "Bytes the worker cache holds (vectors and "
+                                       "their keys' token ids).", registry=r)
+        self.cache_evictions = Counter("inferlb_worker_cache_evictions",
+                                       "Entries evicted from the worker cache to stay within cache_max_bytes.",
+                                       registry=r)
         self.load = LoadSampler(cpus=cpus) if cpu_seconds is None else LoadSampler(cpus=cpus, cpu_seconds=cpu_seconds)
         self._completed = 0
 
@@ -197,6 +209,18 @@ class WorkerMetrics:
 
     def deadline_missed(self) -> None:
         self.deadline_misses.inc()
+
+    # CacheCounter, CacheObserver
+    def cache_results(self, *, hits: int, misses: int, coalesced: int) -> None:
+        for result, count in (("hit", hits), ("miss", misses), ("coalesced", coalesced)):
+            if count:
+                self._cache_results[result].inc(count)
+
+    def cache_bytes(self, size: int) -> None:
+        self.cache_bytes_gauge.set(size)
+
+    def cache_evicted(self, entries: int) -> None:
+        self.cache_evictions.inc(entries)
 
     # periodic
     def sample_load(self, batch_cost: tuple[float, float]) -> None:

@@ -4,7 +4,8 @@ The headers and their parsing are shared with ext_proc
 (``inferlb_runtime/request_class.py``, ``inferlb_runtime/model_routing.py``);
 here a budget becomes a deadline on this worker's clock, and a bad header a
 400 in OpenAI's shape. The model header is the version ext_proc chose (a
-rollout's pick): it wins over the body's ``model``.
+rollout's pick): it wins over the body's ``model``. ``Cache-Control``
+(the same directives ext_proc honours) says what the worker cache may do.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Mapping
 from inferlb_runtime.model_routing import MODEL_HEADER, check_model_name
 from inferlb_runtime.request_class import BadRequestHeader, Priority, parse_budget_s, parse_priority
 
+from .cached_embedding import CachePolicy
 from .protocol import APIError
 
 
@@ -23,6 +25,18 @@ class RequestOptions:
     priority: Priority = Priority.STANDARD
     deadline: float | None = None  # time.perf_counter() seconds
     model: str | None = None  # the version named in MODEL_HEADER
+    cache: CachePolicy = CachePolicy()
+
+
+def cache_policy(header: str | None) -> CachePolicy:
+    """``no-cache``: no lookup (the fresh answer is still stored); ``no-store``: neither. Other directives
+    (max-age and the like) mean nothing to a cache of deterministic results and are ignored."""
+    if not header:
+        return CachePolicy()
+    directives = {part.split("=", 1)[0].strip().lower() for part in header.split(",")}
+    if "no-store" in directives:
+        return CachePolicy(lookup=False, store=False)
+    return CachePolicy(lookup="no-cache" not in directives)
 
 
 def parse_request_options(headers: Mapping[str, str], now: float) -> RequestOptions:
@@ -38,4 +52,5 @@ def parse_request_options(headers: Mapping[str, str], now: float) -> RequestOpti
             check_model_name(model, f"header {MODEL_HEADER}")
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_header", param=MODEL_HEADER) from None
-    return RequestOptions(priority, now + budget if budget is not None else None, model)
+    return RequestOptions(priority, now + budget if budget is not None else None, model,
+                          cache_policy(headers.get("cache-control")))

@@ -21,7 +21,9 @@ import tokenizers
 from inferlb_runtime.model_routing import MODEL_HEADER
 
 from .batcher import BatchCostModel, DeadlineExceeded, Embedded, Priority, QueueFull
+from .cached_embedding import CachedEmbedder
 from .config import WorkerConfig
+from .input_cache import InputCache
 from .metrics import WorkerMetrics
 from .model_batchers import ModelBatchers
 from .model_catalog import ModelInfo, describe, resolve_model
@@ -106,6 +108,10 @@ class EmbeddingService:
             aging_s=config.aging_s,
             scheduling=Scheduling(config.scheduling),
         )
+        # Requests go through the per-input cache; warm-up goes to the batcher directly (it must compute).
+        # Simulated workers have no cache: their vectors are dummies and their cost is the point.
+        cache = InputCache(0 if scheduler_factory else config.cache_max_bytes, observer=self.metrics)
+        self.embedder = CachedEmbedder(self.batcher, cache, self.metrics)
         # Names this worker in every answer, so a client behind any balancer can tell who served it.
         self.identity = f"{_advertised_host(config.host)}:{config.port}"
         self.ready = False
@@ -224,8 +230,8 @@ class EmbeddingService:
                                f"request; split its inputs into requests of at most {limit} tokens",
                                code="too_many_tokens", param="input")
             try:
-                result = await self.batcher.embed(inputs, model=model.name, priority=options.priority,
-                                                  deadline=options.deadline)
+                result = await self.embedder.embed(inputs, model=model.name, priority=options.priority,
+                                                   deadline=options.deadline, policy=options.cache)
             except QueueFull as exc:
                 raise APIError(429, f"worker overloaded: {exc}", type="server_error", code="overloaded") from None
             except DeadlineExceeded as exc:

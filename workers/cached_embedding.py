@@ -1,0 +1,155 @@
+"""Answer inputs from the worker's cache, join identical inputs already computing, and queue only the rest.
+
+Why it sits in front of the batcher queue rather than inside it: a cached
+input must cost no queue slot, no batch room and no place in the priority
+order; only the misses are queued, so a request of 100 inputs with 30 cached
+runs 70 through the model.
+
+Coalescing: the first request to queue an input (the leader) registers a
+future for its key; an identical input arriving while it computes (in the
+same request or another) waits on that future instead of computing again.
+If the leader's request fails or is cancelled before the input is done, its
+followers are released with nothing and queue the input themselves, so a
+client who leaves never fails another's request. A follower waits at the
+leader's priority and deadline: it asked for the same work, and the leader
+is already in the queue ahead of it.
+
+A request with ``Cache-Control: no-cache`` or ``no-store`` neither reads the
+cache nor joins another's computation (it asked for a fresh one); others may
+still join its computation. ``no-store`` also keeps its results out of the
+cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from inferlb_runtime.request_class import Priority
+
+from .batcher import Embedded
+from .input_cache import CacheKey, InputCache
+
+
+class Embedder(Protocol):
+    """The scheduler behind the cache (``workers.service.InputScheduler``'s ``embed``)."""
+
+    async def embed(self, inputs: Sequence[Sequence[int]], *, model: str, priority: Priority = Priority.STANDARD,
+                    deadline: float | None = None) -> Embedded: ...
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """What one request lets the cache do (from its ``Cache-Control`` header)."""
+
+    lookup: bool = True
+    store: bool = True
+
+
+class CacheCounter(Protocol):
+    """Counts what became of each input; the worker's metrics implement it."""
+
+    def cache_results(self, *, hits: int, misses: int, coalesced: int) -> None: ...
+
+
+@dataclass
+class _Plan:
+    """How a request's inputs will be answered: rows already known, keys to compute, futures to wait on."""
+
+    rows: list[np.ndarray | None]
+    compute: dict[CacheKey, list[int]]  # key -> the request's indices it answers (in first-seen order)
+    follow: dict[int, asyncio.Future[np.ndarray | None]]  # index -> another request's computation
+    hits: int = 0
+    coalesced: int = 0
+
+
+class CachedEmbedder:
+    """``embed`` as the scheduler's, with the cache and coalescing in front; a zero-byte cache turns both off."""
+
+    def __init__(self, scheduler: Embedder, cache: InputCache, counter: CacheCounter) -> None:
+        self._scheduler = scheduler
+        self._cache = cache
+        self._counter = counter
+        self._inflight: dict[CacheKey, asyncio.Future[np.ndarray | None]] = {}
+
+    @property
+    def inflight_keys(self) -> int:
+        """Inputs computing now that an identical input could join."""
+        return len(self._inflight)
+
+    async def embed(self, inputs: Sequence[Sequence[int]], *, model: str, priority: Priority = Priority.STANDARD,
+                    deadline: float | None = None, policy: CachePolicy = CachePolicy()) -> Embedded:
+        if not self._cache.enabled:
+            return await self._scheduler.embed(inputs, model=model, priority=priority, deadline=deadline)
+        plan = self._plan([CacheKey.of(model, ids) for ids in inputs], policy)
+        self._counter.cache_results(hits=plan.hits, misses=len(plan.compute), coalesced=plan.coalesced)
+        timing = (0.0, 0.0)
+        if plan.compute:
+            timing = await self._compute(plan, model, priority, deadline, policy)
+        retry = []
+        for index, future in plan.follow.items():
+            row = await asyncio.shield(future)  # a follower leaving must not cancel the leader's future
+            if row is None:
+                retry.append(index)
+            plan.rows[index] = row
+        if retry:  # the leader gave up: compute these ourselves (they count again, as whatever they become)
+            again = await self.embed([inputs[i] for i in retry], model=model, priority=priority,
+                                     deadline=deadline, policy=CachePolicy(lookup=False, store=policy.store))
+            for index, row in zip(retry, again.vectors):
+                plan.rows[index] = row
+        return Embedded(vectors=np.stack(plan.rows), queue_s=timing[0], compute_s=timing[1])
+
+    def _plan(self, keys: list[CacheKey], policy: CachePolicy) -> _Plan:
+        plan = _Plan(rows=[None] * len(keys), compute={}, follow={})
+        for index, key in enumerate(keys):
+            if key in plan.compute:  # the same input twice in one request: computed once
+                plan.compute[key].append(index)
+                plan.coalesced += 1
+                continue
+            if policy.lookup:
+                vector = self._cache.get(key)
+                if vector is not None:
+                    plan.rows[index] = vector
+                    plan.hits += 1
+                    continue
+                future = self._inflight.get(key)
+                if future is not None:
+                    plan.follow[index] = future
+                    plan.coalesced += 1
+                    continue
+            plan.compute[key] = [index]
+        return plan
+
+    async def _compute(self, plan: _Plan, model: str, priority: Priority, deadline: float | None,
+                       policy: CachePolicy) -> tuple[float, float]:
+        """Queue the plan's misses as one request; publish each result to its followers and the cache."""
+        loop = asyncio.get_running_loop()
+        led: dict[CacheKey, asyncio.Future[np.ndarray | None]] = {}
+        for key in plan.compute:
+            if key not in self._inflight:  # one already computing for a no-cache request: it stays the leader
+                led[key] = self._inflight[key] = loop.create_future()
+        try:
+            result = await self._scheduler.embed([key.ids for key in plan.compute], model=model, priority=priority,
+                                                 deadline=deadline)
+        except BaseException:
+            self._release(led, None)
+            raise
+        for (key, indices), row in zip(plan.compute.items(), result.vectors):
+            for index in indices:
+                plan.rows[index] = row
+            if policy.store:
+                self._cache.put(key, row)
+        self._release(led, dict(zip(plan.compute, result.vectors)))
+        return result.queue_s, result.compute_s
+
+    def _release(self, led: dict[CacheKey, asyncio.Future[np.ndarray | None]],
+                 rows: dict[CacheKey, np.ndarray] | None) -> None:
+        """Hand the led keys' rows to their followers (None: the leader failed; they compute it themselves)."""
+        for key, future in led.items():
+            if self._inflight.get(key) is future:
+                del self._inflight[key]
+            if not future.done():
+                future.set_result(None if rows is None else rows[key])
