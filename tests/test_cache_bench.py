@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,13 @@ from inferlb.bench.cache_report import (
     latency_figures,
     meets,
     render,
+    slo_crossing,
     throughput_at_slo,
     verdicts,
 )
 from inferlb.bench.capacity import theoretical_capacity_rps
+
+from .test_bench_run import INFERLB, ROOT, leftovers, out  # noqa: F401 (out: the fixture that reaps leaks)
 
 
 def point(load: float, p99_ms: float, errors: int = 0, timeouts: int = 0, completed: int = 100,
@@ -33,8 +37,8 @@ def point(load: float, p99_ms: float, errors: int = 0, timeouts: int = 0, comple
 
 def test_the_sweeps_loads_rise_geometrically_within_bounds() -> None:
     loads = CachePlan().loads()
-    assert loads[0] == 0.6 and loads[-1] <= 2.0 and len(loads) == 13
-    assert all(b / a == pytest.approx(1.1, rel=1e-3) for a, b in zip(loads, loads[1:]))
+    assert loads[0] == 0.6 and loads[-1] <= 2.0 and len(loads) == 25
+    assert all(b / a == pytest.approx(1.05, rel=1e-3) for a, b in zip(loads, loads[1:]))
     assert CachePlan(load_min=1.0, load_max=1.0).loads() == (1.0,)
     assert len(CachePlan(load_min=0.01, load_max=2.0, load_step=1.0001).loads()) == 40  # bounded
 
@@ -48,6 +52,14 @@ def test_throughput_at_the_slo_is_the_last_rate_met_before_the_first_miss() -> N
     assert throughput_at_slo([point(0.6, 100, completed=0)], slo) == 0.0
     assert throughput_at_slo([], slo) == 0.0
     assert meets(point(1.0, 500), slo) and not meets(point(1.0, 501), slo)
+
+
+def test_the_slo_crossing_interpolates_between_the_last_rate_met_and_the_first_missed() -> None:
+    slo = 0.5
+    assert slo_crossing([point(0.6, 100), point(0.8, 400), point(1.0, 600)], slo) == pytest.approx(45.0)
+    assert slo_crossing([point(0.6, 100), point(0.8, 400, errors=1)], slo) == 30.0  # an error: no interpolation
+    assert slo_crossing([point(0.6, 100), point(0.8, 400)], slo) == 40.0  # nothing missed: the last rate
+    assert slo_crossing([point(0.6, 900)], slo) == 0.0
 
 
 def test_hit_ratio_and_counts_from_ext_procs_metrics() -> None:
@@ -80,6 +92,8 @@ def test_verdicts_and_the_table() -> None:
     v = verdicts(off, on, hits, 0.5)
     assert v["throughput_off_rps"] == 40.0 and v["throughput_on_rps"] == 60.0 and v["ratio"] == 1.5
     assert v["ratio_met"] and v["hit_met"] and v["hit_p50_ms"] == 1.2
+    assert v["crossing_off_rps"] == pytest.approx(40 + 10 * 300 / 700, abs=0.01)
+    assert v["crossing_on_rps"] == pytest.approx(60 + 10 * 100 / 400, abs=0.01)
     slow = verdicts(off, on[:2], latency_figures([0.003] * 4, ["hit"] * 4), 0.5)
     assert slow["ratio"] == 1.0 and not slow["ratio_met"] and not slow["hit_met"]
     nothing = verdicts([point(0.6, 900)], on, latency_figures([0.001], [None]), 0.5)
@@ -90,7 +104,8 @@ def test_verdicts_and_the_table() -> None:
     table = render(report)
     assert "1.50x (target >= 1.4x): met" in table and "p50 1.20 ms over 10 hits of 10" in table
     assert "cache off, the same body: p50 30.00 ms" in table and "30.0%" in table
-    assert len(table.splitlines()) == 2 + 5 + 2  # header, columns, one row per load, two verdicts
+    assert "p99 crosses the SLO (interpolated): off 44.3 req/s, on 62.5 req/s = 1.41x" in table
+    assert len(table.splitlines()) == 2 + 5 + 3  # header, columns, one row per load, the crossing, two verdicts
 
 
 def test_the_sweep_replays_repeats_and_each_rate_has_its_own_fresh_texts() -> None:
@@ -115,7 +130,7 @@ def _args(**overrides: object) -> argparse.Namespace:
 
 def test_quick_shortens_what_was_not_given() -> None:
     plan = cache_command.plan_from(_args(quick=True, duration=6))
-    assert plan.duration_s == 6 and plan.load_step == 1.25 and plan.hit_requests == 100 and plan.warmup_s == 1
+    assert plan.duration_s == 6 and plan.load_step == 1.15 and plan.hit_requests == 100 and plan.warmup_s == 1
     assert cache_command.plan_from(_args()) == CachePlan()
 
 
@@ -134,3 +149,28 @@ def test_quick_shortens_what_was_not_given() -> None:
 def test_bad_arguments_are_refused_by_name(overrides: dict, message: str, capsys: pytest.CaptureFixture) -> None:
     assert cache_command.main(_args(**overrides)) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_tiny_run_through_the_real_stack_hits_only_with_the_cache_on(out: Path, tmp_path: Path) -> None:  # noqa: F811
+    """No timing thresholds: which answers were hits, every request accounted for, no failure, all stopped."""
+    report_file = tmp_path / "cache.json"
+    done = subprocess.run([*INFERLB, "bench", "cache", "--load-min", "0.3", "--load-max", "0.3", "--duration", "2",
+                           "--hit-requests", "20", "--out", str(out), "--json", str(report_file)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    report = json.loads(report_file.read_text())
+    assert report["failures"] == [], done.stderr
+    off, on = report["off"], report["on"]
+    assert off["ext_proc_cache_max_bytes"] == 0 and on["ext_proc_cache_max_bytes"] == 64 * 1024 * 1024
+    assert off["hit_series"]["requests"] == on["hit_series"]["requests"] == 20
+    assert off["hit_series"]["hits"] == 0 and on["hit_series"]["hits"] == 20  # warmed up: every answer a hit
+    (p_off,), (p_on,) = off["sweep"], on["sweep"]
+    for p in (p_off, p_on):
+        assert p["sent"] == p["completed"] and p["statuses"] == {"200": p["sent"]}
+    assert p_off["sent"] == p_on["sent"]  # the same trace
+    assert p_off["hit_ratio"] is None and 0 < p_on["hit_ratio"] < 1  # off: no lookup; on: the repeats
+    assert "throughput at the SLO: off" in done.stdout and "a hit through Envoy: p50" in done.stdout
+    assert "cache on: a fresh stack" in done.stderr  # progress on stderr
+    v = report["verdicts"]
+    assert done.returncode == (0 if v["ratio_met"] and v["hit_met"] else 1), done.stderr
+    assert leftovers(str(out)) == []

@@ -19,8 +19,9 @@ earlier texts at REPEAT_RATE (Zipf over REPEAT_POOL texts; the rest fresh), at r
 LOAD_MAX times the fleet's no-cache capacity (its cost model), each LOAD_STEP times the one before, until
 a rate misses the SLO. Both modes replay the very same requests.
 Targets: throughput at the SLO (the highest rate with p99 <= SLO, no errors) on / off >= 1.4 at 30%
-repeats; a hit answers through Envoy in <= 2 ms at p50. Progress on stderr; exit 0 when both are met.
-Takes about 4 minutes (--quick: about 2)."""
+repeats; a hit answers through Envoy in <= 2 ms at p50. Also printed: where p99 crosses the SLO,
+interpolated between the last rate met and the first missed (finer than the step). Progress on stderr;
+exit 0 when both targets are met. Takes about 6 minutes (--quick: about 2)."""
 
 EPILOG = """\
 examples:
