@@ -159,7 +159,8 @@ def test_the_cli_prints_the_figures_and_writes_json(fast_workers: list[SimWorker
     done = subprocess.run(
         [*INFERLB, "bench", "load", "--url", embeddings_url(worker), "--rate", "50",
          "--duration", "2", "--warmup", "0.2", "--arrival", "bursty", "--burst-on", "0.5", "--burst-off", "0.5",
-         "--mix", "0.8:8-32,0.2:64-64", "--seed", "3", "--json", str(out), "--no-progress"],
+         "--mix", "0.8:8-32,0.2:64-64", "--seed", "3", "--repeat-rate", "0.3", "--json", str(out),
+         "--no-progress"],
         cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "p99" in done.stdout and worker.id in done.stdout
@@ -169,6 +170,7 @@ def test_the_cli_prints_the_figures_and_writes_json(fast_workers: list[SimWorker
     assert dict(result.spread) == {worker.id: result.completed}
     assert 0 < result.p50_s <= result.p90_s <= result.p99_s <= result.p999_s
     assert result.extra["arrival"] == "bursty" and result.extra["mix"] == "0.8:8-32,0.2:64-64"
+    assert result.extra["repeat_rate"] == 0.3
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -177,6 +179,8 @@ def test_the_cli_prints_the_figures_and_writes_json(fast_workers: list[SimWorker
     (["--rate", "10", "--mix", "1:8-999"], "MAX <= 256"),
     (["--rate", "10", "--duration", "2", "--warmup", "3"], "--warmup"),
     (["--rate", "10", "--arrival", "steady"], "--arrival"),
+    (["--rate", "10", "--repeat-rate", "1.5"], "repeat_rate must be in [0, 1]"),
+    (["--rate", "10", "--repeat-pool", "0"], "--repeat-pool"),
 ])
 def test_the_cli_refuses_bad_flags_with_exit_2(argv: list[str], message: str) -> None:
     done = subprocess.run([*INFERLB, "bench", "load", "--url",
@@ -189,7 +193,8 @@ def test_the_cli_help_explains_the_flags() -> None:
     done = subprocess.run([*INFERLB, "bench", "load", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
-    for flag in ("--url", "--rate", "--arrival", "--mix", "--slo-ms", "--warmup", "--json", "--no-progress"):
+    for flag in ("--url", "--rate", "--arrival", "--mix", "--slo-ms", "--warmup", "--json", "--no-progress",
+                 "--repeat-rate"):
         assert flag in done.stdout
 
 

@@ -87,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mix", type=_mix_arg, default=DEFAULT_MIX, metavar="SHARE:MIN-MAX,...",
                         help=f"input lengths in tokens (default {_mix_text(DEFAULT_MIX)})")
     parser.add_argument("--inputs", type=_positive(int), default=1, help="inputs per request (default 1)")
+    parser.add_argument("--repeat-rate", type=float, default=0.0, metavar="R",
+                        help="share of requests repeating an earlier text, for a cache to answer (default 0)")
+    parser.add_argument("--repeat-pool", type=_positive(int), default=1000, metavar="N",
+                        help="repeats are of the first N distinct texts sent (default 1000)")
+    parser.add_argument("--zipf-s", type=_positive(float), default=1.1, metavar="S",
+                        help="the repeats' Zipf exponent over that pool: the first text most often (default 1.1)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the schedule and lengths (default 1)")
     parser.add_argument("--slo-ms", type=_positive(float), default=250.0,
                         help="latency objective for goodput (default 250)")
@@ -118,19 +124,20 @@ def main(args: argparse.Namespace) -> int:
     if not args.url.startswith(("http://", "https://")):
         return _fail(f"--url must start with http:// or https://, got {args.url!r}")
     workload = Workload(mix=args.mix, inputs_per_request=args.inputs, arrival=args.arrival,
-                        burst_on_s=args.burst_on, burst_off_s=args.burst_off)
+                        burst_on_s=args.burst_on, burst_off_s=args.burst_off, repeat_rate=args.repeat_rate,
+                        repeat_pool=args.repeat_pool, repeat_zipf_s=args.zipf_s)
     try:
         trace = build_trace(workload, args.rate, args.duration, args.seed)
     except ValueError as exc:
         return _fail(str(exc))
-    bodies = bodies_for(trace.tokens, inputs=args.inputs)
+    bodies = bodies_for(trace.tokens, inputs=args.inputs, repeat_of=trace.repeat_of)
     slo_s = args.slo_ms / 1000
     outcome = run_load_blocking(args.url, trace, bodies, slo_s=slo_s, timeout_s=args.timeout,
                                 warmup_s=args.warmup, progress=not args.no_progress,
                                 max_connections=args.connections)
     result = outcome.to_result(args.configuration, extra={
         "url": args.url, "arrival": args.arrival, "mix": _mix_text(args.mix), "seed": args.seed,
-        "inputs_per_request": args.inputs})
+        "inputs_per_request": args.inputs, "repeat_rate": args.repeat_rate})
     print(format_result(result))
     if args.json is not None:
         try:
