@@ -70,6 +70,8 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
                         response_headers=config.response_headers, max_body_bytes=config.max_body_bytes,
                         require_api_keys=config.require_api_keys, fair_queue_depth=config.fair_queue_depth,
                         slow_start_s=config.slow_start_s,
+                        cache_max_bytes=config.cache_max_bytes, cache_ttl_s=config.cache_ttl_s,
+                        cache_max_entry_bytes=config.cache_max_entry_bytes, cache_per_tenant=config.cache_per_tenant,
                         fair_queue=GateSettings(max_wait_s=config.fair_queue_max_wait_s,
                                                 max_queued=config.fair_queue_max_queued,
                                                 max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,

@@ -58,16 +58,26 @@ class PickChain:
         """Every plugin of the chain, in order (for the guard's observer and for describing it)."""
         return (*self.admit, *self.filters, *(s for s, _ in self.scorers), self.picker)
 
-    def decide(self, request: RequestView, fleet: Sequence[EndpointView], pool: Sequence[EndpointView],
-               costing: Costing) -> Decision | Reply | None:
-        """A ranked pick, an admit plugin's reply, or None (nothing routable or nothing ranked: the caller
-        fails open to Envoy's weighted fallback, or answers 503 when nothing is routable). ``pool`` is what
-        the head filters (routable, partition: the router's, run once per view) left of ``fleet``."""
+    def resolve(self, request: RequestView) -> RequestView | Reply:
+        """The resolving filters' rewrite of the request (the model version it runs on), or their reply."""
         for r in self._resolving:
             resolved = r.resolve(request)  # type: ignore[attr-defined]
             if type(resolved) is Reply:
                 return resolved
             request = resolved
+        return request
+
+    def decide(self, request: RequestView, fleet: Sequence[EndpointView], pool: Sequence[EndpointView],
+               costing: Costing, resolved: bool = False) -> Decision | Reply | None:
+        """A ranked pick, an admit plugin's reply, or None (nothing routable or nothing ranked: the caller
+        fails open to Envoy's weighted fallback, or answers 503 when nothing is routable). ``pool`` is what
+        the head filters (routable, partition: the router's, run once per view) left of ``fleet``.
+        ``resolved``: :meth:`resolve` already ran on this request (a rollout's split must not draw twice)."""
+        if not resolved:
+            outcome = self.resolve(request)
+            if type(outcome) is Reply:
+                return outcome
+            request = outcome
         for f in self.filters:
             if not pool:
                 break

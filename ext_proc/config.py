@@ -105,6 +105,15 @@ class ExtProcConfig(BaseSettings):
     quota_store_timeout_ms: int = Field(50, ge=1, le=10_000)
     # A request's tokens in flight are freed when it ends, or after this if its replica died first.
     quota_lease_ttl_s: float = Field(300.0, gt=0, le=86_400)
+    # The gateway cache: whole answers to repeated POST /v1/embeddings, keyed by the model version, the input
+    # and the parameters that change the output (and the tenant, with cache_per_tenant). Bounded in bytes
+    # (LRU; 0: off), each entry for cache_ttl_s and at most cache_max_entry_bytes (and Envoy's buffer limit).
+    cache_max_bytes: int = Field(64 * MIB, ge=0)
+    cache_ttl_s: float = Field(300.0, gt=0, le=86_400)
+    cache_max_entry_bytes: int = Field(1 * MIB, ge=1024)
+    cache_per_tenant: bool = False
+    # Where: "memory" (in process). The shared Redis level is not built yet.
+    cache_store: Literal["memory"] = "memory"
     # uvloop when installed (grpc.aio runs on it: fewer CPU cycles per stream); "asyncio": the default loop.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -248,6 +248,31 @@ class ExtProcMetrics:
                                        "User pick-chain plugin calls contained (the chain went on without it, or "
                                        "it was over its time budget), by plugin and reason.", ["policy", "reason"],
                                        registry=r)
+        # The gateway cache (ext_proc/response_cache.py), by level ("memory"; "redis": the shared level).
+        self.cache_requests = Counter(f"{PREFIX}cache_requests", "Cacheable requests by cache level and result: "
+                                      "hit, miss, bypass (Cache-Control: no-cache: no lookup).", ["level", "result"],
+                                      registry=r)
+        self.cache_bytes = Gauge(f"{PREFIX}cache_bytes", "Bytes the gateway cache holds, by level.", ["level"],
+                                 registry=r)
+        self.cache_evictions = Counter(f"{PREFIX}cache_evictions", "Gateway cache entries evicted for room (not "
+                                       "expiries), by level.", ["level"], registry=r)
+
+    def cache_levels(self, *levels: str) -> None:
+        """Export the cache's series from the start (zero), for the levels configured."""
+        for level in levels:
+            for result in ("hit", "miss", "bypass"):
+                self.cache_requests.labels(level=level, result=result)
+            self.cache_bytes.labels(level=level)
+            self.cache_evictions.labels(level=level)
+
+    def cache_request(self, level: str, result: str) -> None:
+        self.cache_requests.labels(level=level, result=result).inc()
+
+    def cache_state(self, level: str, held_bytes: int, evicted: int) -> None:
+        """After a store: what the level holds, and how many entries it evicted for room."""
+        self.cache_bytes.labels(level=level).set(held_bytes)
+        if evicted:
+            self.cache_evictions.labels(level=level).inc(evicted)
 
     def decision(self, policy: str, endpoint: str, seconds: float) -> None:
         key = (policy, endpoint)

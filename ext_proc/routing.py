@@ -68,13 +68,22 @@ class Router:
         self.partition.set_partition(index, count)
         self._fleet = None  # re-derive the partition and the traffic share on the next decision
 
-    def decide(self, key: int, request: RequestView, fleet: Sequence[EndpointView]) -> Decision | Reply | None:
-        """Run the chain. A decision's predicted work counts as outstanding on its primary (under ``key``)
-        until :meth:`release`. Plugins' exceptions are contained by their guards; a built-in's propagates
-        (the caller counts it and fails open)."""
+    def resolve(self, request: RequestView, fleet: Sequence[EndpointView]) -> RequestView | Reply:
+        """Only the chain's resolution (the model version the request runs on), before :meth:`decide`: the
+        gateway cache keys by the version, and looks up before the request waits for its turn."""
         if fleet is not self._fleet:
             self._new_view(fleet)
-        outcome = self.chain.decide(request, fleet, self._candidates, self.costing)
+        return self.chain.resolve(request)
+
+    def decide(self, key: int, request: RequestView, fleet: Sequence[EndpointView],
+               resolved: bool = False) -> Decision | Reply | None:
+        """Run the chain (``resolved``: :meth:`resolve` already ran on ``request`` against this catalogue). A
+        decision's predicted work counts as outstanding on its primary (under ``key``) until :meth:`release`.
+        Plugins' exceptions are contained by their guards; a built-in's propagates (the caller counts it and
+        fails open)."""
+        if fleet is not self._fleet:
+            self._new_view(fleet)
+        outcome = self.chain.decide(request, fleet, self._candidates, self.costing, resolved)
         if type(outcome) is Decision:
             self.outstanding.begin(key, outcome.ranked[0], request.tokens, outcome.predicted_s)
         return outcome

@@ -37,6 +37,17 @@ after answering them instead of waiting for Envoy's half-close: one gRPC
 read less per request, and Envoy treats a server-closed stream as processing
 complete.
 
+The gateway cache (issue 16; ``response_cache.py``, keys in ``cache_key.py``):
+once the quota is checked (a hit uses it as a served request does) and the model
+resolved to a version (the key names it), before the fair queue and the pick,
+a repeated ``POST /v1/embeddings`` is answered with the stored 200 as an
+ImmediateResponse (``x-inferlb-cache: hit``). A miss whose answer may be stored
+(a 200 from the version its key names, not over the per-entry cap, no
+``no-store``) gets a ``mode_override`` in the response-headers answer: Envoy
+sends that one body (BUFFERED_PARTIAL: never failed for its size), which is
+stored, and only then does the stream end. Every other response costs nothing
+more than its ``x-inferlb-cache: miss`` header.
+
 Whatever ends the stream (the response, a client disconnect, an upstream
 reset, Envoy cancelling), the request is released exactly once: a
 ``finally`` calls the idempotent ``Router.release``. When ext_proc cannot
@@ -73,6 +84,7 @@ from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.request_class import OBJECTIVE_HEADER, BadRequestHeader, Priority, parse_budget_s, parse_priority
 
 from . import wire
+from .cache_key import Directives, cacheable_request, directives, request_key
 from .callers import ANONYMOUS, AUTHORIZATION_HEADER, Caller, identify
 from .catalogue import ModelCatalogue
 from .metrics import OTHER_MODEL, ExtProcMetrics, LiveState
@@ -83,6 +95,7 @@ from .quota import Lease, QuotaOutcome, QuotaStore, rate_limit_headers
 from .quota_memory import MemoryQuotaStore
 from .quota_reply import quota_reply
 from .registry import PluginRegistry
+from .response_cache import CachedResponse, ResponseCache
 from .routing import Router
 from .tokens import TokenCounter
 from .wire import PREDICTED_HEADER, PROCESS_METHOD, SERVICE_NAME, TOKENS_HEADER
@@ -107,6 +120,12 @@ class ServiceSettings:
     fair_queue: GateSettings = GateSettings()
     # A newly routable endpoint's share of the picks ramps up over this many seconds (0: no slow start).
     slow_start_s: float = 0.0
+    # The gateway cache (in process): its byte bound (0: off), an entry's lifetime and largest size, and
+    # whether tenants share answers (False) or each has its own (True).
+    cache_max_bytes: int = 0
+    cache_ttl_s: float = 300.0
+    cache_max_entry_bytes: int = 1024 * 1024
+    cache_per_tenant: bool = False
 
 
 def _same_spec(a: PickPolicySpec, b: PickPolicySpec) -> bool:
@@ -121,7 +140,8 @@ class _Stream:
     """The state of one HTTP request's ext_proc stream."""
 
     __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s", "priority", "deadline",
-                 "caller", "quota", "forwarded", "outcome", "mutation", "started", "version", "decided")
+                 "caller", "quota", "forwarded", "outcome", "mutation", "started", "version", "decided",
+                 "cache_key", "cache_version", "resolved", "filling")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -141,6 +161,10 @@ class _Stream:
         self.started = 0.0  # time.perf_counter() the decision began (admission waits added: not counted)
         self.version: str | None = None  # the model version chosen for it (x-inferlb-model), if one was
         self.decided = 0.0  # time.perf_counter() of the pick
+        self.cache_key: bytes | None = None  # its gateway-cache key, when its answer may be stored
+        self.cache_version: str | None = None  # the version the key names (None: a bare alias, or no model)
+        self.resolved: object = None  # the catalogue its model was resolved against before the decision
+        self.filling: tuple[str, str] | None = None  # (content-type, version) of the answer being stored
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -183,6 +207,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self._class_entries = {p: wire.header_entries(((OBJECTIVE_HEADER, p.name.lower()),)) for p in Priority}
         self._answers = wire.PickAnswers(settings.pick_header, settings.pick_metadata_namespace)
         self._too_large = wire.body_too_large_response(settings.max_body_bytes)
+        self.cache: ResponseCache | None = None
+        if settings.cache_max_bytes:
+            self.cache = ResponseCache(settings.cache_max_bytes, settings.cache_ttl_s, settings.cache_max_entry_bytes)
+            metrics.cache_levels("memory")
+        self._cached_versions: frozenset[str] = frozenset()  # the catalogue's versions the cache was checked by
         source.add_listener(self.on_view)
         if source.view is not None:
             self.on_view(source.view)
@@ -216,6 +245,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.metrics.retain_endpoints(view.by_id.keys())
         self.router.set_partition(*view.partition)
         self.router.set_catalogue(view.catalogue)
+        if self.cache is not None:
+            self._retain_cached(view.catalogue)
         spec = view.pick_policy
         if spec is None or _same_spec(spec, self.policy_spec):
             return
@@ -235,6 +266,19 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                                                 "params": dict(spec.params)})
         self.policy_spec = spec
         self._rejected = None
+
+    def _retain_cached(self, catalogue: ModelCatalogue) -> None:
+        """A version the catalogue no longer lists has its answers dropped (checked only when the set of
+        versions changes: EDS repeats the same catalogue with every telemetry update)."""
+        versions = frozenset(catalogue.versions)
+        if versions == self._cached_versions or self.cache is None:
+            return
+        self._cached_versions = versions
+        dropped = self.cache.retain_versions(versions)
+        if dropped:
+            self.metrics.cache_state("memory", self.cache.bytes, 0)
+            log.info("gateway cache dropped answers of versions gone from the catalogue",
+                     extra={"entries": dropped, "versions": sorted(versions)})
 
     # -- the RPC --------------------------------------------------------------
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
@@ -275,6 +319,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     if type(counted) is bytes:  # refused: over its quota
                         yield counted
                         continue
+                    if self.cache is not None:  # after the quota (a hit counts as served), before the queue
+                        looked = await self._look_up(stream, counted, body)
+                        if type(looked) is bytes:  # a hit
+                            yield looked
+                            return  # the immediate response ends the request
+                        counted = looked
                     gate = self.gate
                     # It will wait for its turn (tell Envoy); an unknown model's 404 never waits
                     if gate is not None and not gate.passes_now() and not self._unknown_model(counted):
@@ -293,7 +343,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     yield answer
                 elif kind == "response_headers":
                     yield self._on_response_headers(stream, request)
-                    return  # nothing else is configured to come: close now, do not wait for Envoy's half-close
+                    if stream.filling is None:
+                        return  # nothing else is configured to come: close now, do not wait for Envoy's half-close
+                elif kind == "response_body" and stream.filling is not None:
+                    self._fill(stream, request.response_body)
+                    yield wire.PASS_THROUGH["response_body"]
+                    return  # the body was the last thing asked for
                 else:
                     yield wire.PASS_THROUGH.get(kind or "", wire.CONTINUE_HEADERS)
         except Exception:
@@ -488,12 +543,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if request.estimated and stream.tokens:
             self.metrics.count("fallbacks", "estimated_tokens")
             self.metrics.count("parse_failures", "request_body")
-        if stream.priority is not Priority.STANDARD or stream.deadline is not None or stream.caller.key_id:
-            budget = stream.deadline - time.perf_counter() if stream.deadline is not None else None
-            request = dataclasses.replace(request, priority=stream.priority, budget_s=budget,
-                                          tenant=stream.caller.tenant, key_id=stream.caller.key_id)
+        request = self._with_caller(stream, request)
         try:
-            outcome = self.router.decide(stream.key, request, view.endpoints)
+            outcome = self.router.decide(stream.key, request, view.endpoints, stream.resolved is view.catalogue)
         except Exception:
             log.exception("pick chain failed; letting Envoy's fallback route the request")
             self.metrics.count("fallbacks", "policy_error")
@@ -507,6 +559,76 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             stream.forwarded = True
             return wire.without_pick(headers_phase, mutation, request.tokens)
         return self._reply(stream, request, outcome)
+
+    @staticmethod
+    def _with_caller(stream: _Stream, request: RequestView) -> RequestView:
+        """The request as the chain sees it: its class, budget left, tenant and key id (a sticky rollout's)."""
+        if stream.priority is not Priority.STANDARD or stream.deadline is not None or stream.caller.key_id:
+            budget = stream.deadline - time.perf_counter() if stream.deadline is not None else None
+            return dataclasses.replace(request, priority=stream.priority, budget_s=budget,
+                                       tenant=stream.caller.tenant, key_id=stream.caller.key_id)
+        return request
+
+    # -- the gateway cache --------------------------------------------------
+    async def _look_up(self, stream: _Stream, request: RequestView, body: bytes) -> RequestView | bytes:
+        """The cached answer (an ImmediateResponse), or the request to route: resolved to its model version
+        when it could be (the key names the version), with ``stream.cache_key`` set when its answer may be
+        stored. Unresolvable (no view, nothing routable, an unknown model): routed as without a cache."""
+        if not cacheable_request(stream.headers):
+            return request
+        asked: Directives = directives(stream.headers)
+        view = self.source.view
+        if asked.no_store or view is None or not view.routable:
+            return request
+        resolved = self.router.resolve(self._with_caller(stream, request), view.endpoints)
+        if type(resolved) is Reply:
+            return request  # the decision answers it (404, 503) as without a cache
+        stream.resolved = view.catalogue
+        tenant = stream.caller.tenant if self.settings.cache_per_tenant else None
+        name = resolved.version or resolved.model or ""
+        if self.counter.needs_thread(body):  # a large body: parsed and hashed off the event loop
+            key = await asyncio.to_thread(request_key, body, name, tenant)
+        else:
+            key = request_key(body, name, tenant)
+        if key is None:
+            return resolved
+        stream.cache_key, stream.cache_version = key, resolved.version
+        if asked.no_cache:
+            self.metrics.cache_request("memory", "bypass")
+            return resolved
+        assert self.cache is not None
+        hit = self.cache.get(key)
+        if hit is None:
+            self.metrics.cache_request("memory", "miss")
+            return resolved
+        self.metrics.cache_request("memory", "hit")
+        stream.outcome, stream.forwarded, stream.cache_key = "served", True, None  # its quota is used
+        limits = tuple(rate_limit_headers(stream.quota)) if stream.quota is not None else ()
+        return wire.cached_response(hit.body, hit.content_type, hit.version, *limits)
+
+    def _fillable(self, stream: _Stream, headers: Mapping[str, str], status: str) -> tuple[str, str] | None:
+        """(content-type, version) when this response is to be stored: a 200 from the version its key names
+        (any version, for a bare alias) and not over the per-entry cap by its length."""
+        if stream.cache_key is None or status != "200" or self.cache is None:
+            return None
+        served = headers.get(MODEL_HEADER)
+        if not served or (stream.cache_version is not None and served != stream.cache_version):
+            return None
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or not self.cache.fits(int(length))):
+            return None
+        return headers.get("content-type", "application/json"), served
+
+    def _fill(self, stream: _Stream, message: pb.HttpBody) -> None:
+        """Store the worker's answer (whole: a body over Envoy's buffer limit comes in part, and is not)."""
+        assert stream.filling is not None and stream.cache_key is not None and self.cache is not None
+        content_type, version = stream.filling
+        stream.filling = None
+        if not message.end_of_stream:
+            return
+        evictions = self.cache.evictions
+        if self.cache.put(stream.cache_key, CachedResponse(bytes(message.body), content_type, version)):
+            self.metrics.cache_state("memory", self.cache.bytes, self.cache.evictions - evictions)
 
     def _reply(self, stream: _Stream, request: RequestView, reply: Reply) -> bytes:
         """ext_proc answers the request itself (an admit plugin's reply, the model filter's 404 or 503)."""
@@ -541,8 +663,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         status = headers.get(":status", "")
         stream.outcome = "served" if status.startswith("2") else "failed"
         limits = self._limit_entries(stream.quota)
+        stream.filling = fill = self._fillable(stream, headers, status)
+        read_body = fill is not None
         if stream.pick is None:
-            return wire.response_headers_answer(None, 0, 0.0, limits)
+            return wire.response_headers_answer(None, 0, 0.0, limits, read_body)
         served_by = wire.served_by(request) or stream.pick
         self.metrics.count("responses", f"{status[:1]}xx" if status else "unknown")
         served = self._model_label(headers.get(MODEL_HEADER) or stream.version)  # the version that served
@@ -554,8 +678,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             if self.gate is not None:
                 self.gate.notify()
         if not self.settings.response_headers:
-            return wire.response_headers_answer(None, 0, 0.0, limits)
-        return wire.response_headers_answer(served_by, stream.tokens, stream.predicted_s, limits)
+            return wire.response_headers_answer(None, 0, 0.0, limits, read_body)
+        return wire.response_headers_answer(served_by, stream.tokens, stream.predicted_s, limits, read_body)
 
     @staticmethod
     def _limit_entries(outcome: QuotaOutcome | None) -> bytes:

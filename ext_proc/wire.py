@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import orjson
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -112,6 +113,17 @@ P_COUNTED = option_prefix(COUNTED_RESPONSE_HEADER)
 P_MODEL = option_prefix(MODEL_HEADER)
 PICK_CACHE_MAX = 4096  # ranked picks whose header entry and metadata are kept serialised
 
+CACHE_HEADER = "x-inferlb-cache"
+CACHE_MISS = option(option_prefix(CACHE_HEADER), b"miss")
+# A mode_override in the response-headers answer (the filter allows overrides): Envoy sends this one
+# response's body, up to its buffer limit, in one message (BUFFERED_PARTIAL: a bigger body is sent in part,
+# never failed, and is then not cached). The other phases stay as configured.
+_MODE = processing_mode_pb2.ProcessingMode
+READ_RESPONSE_BODY = pb.ProcessingResponse(mode_override=_MODE(
+    request_header_mode=_MODE.SEND, request_body_mode=_MODE.BUFFERED, request_trailer_mode=_MODE.SKIP,
+    response_header_mode=_MODE.SEND, response_body_mode=_MODE.BUFFERED_PARTIAL,
+    response_trailer_mode=_MODE.SKIP)).SerializeToString()
+
 # Answers that never change: serialised once.
 CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
 CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
@@ -146,7 +158,8 @@ def add_headers(mutation: pb.HeaderMutation, headers: Sequence[tuple[str, str]])
         option.append_action = _OVERWRITE
 
 
-_LEARN_FROM = frozenset({":status", SERVER_TIMING_HEADER, ORCA_HEADER, TOKENS_HEADER, MODEL_HEADER})
+_LEARN_FROM = frozenset({":status", SERVER_TIMING_HEADER, ORCA_HEADER, TOKENS_HEADER, MODEL_HEADER,
+                         "content-type", "content-length"})
 
 
 def response_headers_of(headers: pb.HttpHeaders) -> dict[str, str]:
@@ -218,12 +231,13 @@ NO_ENDPOINT_BODY = error_body(
     "Retry later.", "no_endpoint_ready")
 
 
-def immediate(status: int, body: bytes, details: str, *headers: tuple[str, str]) -> bytes:
+def immediate(status: int, body: bytes, details: str, *headers: tuple[str, str],
+              content_type: str = "application/json") -> bytes:
     """An ImmediateResponse with a JSON body. ``details`` (Envoy's response code details) starts with
     ``inferlb_``: the listener's local-reply mappers leave such replies as they are (control_plane/resources/local_reply.py)."""
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
-        headers=pb.HeaderMutation(set_headers=[set_header("content-type", "application/json"),
+        headers=pb.HeaderMutation(set_headers=[set_header("content-type", content_type),
                                                *(set_header(k, v) for k, v in headers)]),
         body=body,
         details=details,
@@ -306,13 +320,23 @@ class PickAnswers:
                      + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000)) + mutation) + pick_metadata
 
 
-def response_headers_answer(served_by: str | None, tokens: int, predicted_s: float, extra: bytes = b"") -> bytes:
+def response_headers_answer(served_by: str | None, tokens: int, predicted_s: float, extra: bytes = b"",
+                            read_body: bool = False) -> bytes:
     """The response headers ext_proc adds: for observability, who served, what was counted and predicted
-    (``served_by`` None: none of those); ``extra`` entries (the x-ratelimit-* headers)."""
+    (``served_by`` None: none of those); ``extra`` entries (the x-ratelimit-* headers); always
+    ``x-inferlb-cache: miss`` (a hit never reaches this phase). ``read_body``: ask Envoy for this response's
+    body (to fill the cache), for this request only (:data:`READ_RESPONSE_BODY`)."""
     if served_by is not None:
         extra = (option(P_ENDPOINT, served_by.encode()) + option(P_COUNTED, str(tokens).encode())
                  + option(P_PREDICTED, b"%.3f" % (predicted_s * 1000)) + extra)
-    return phase(T_RESPONSE_HEADERS, extra) if extra else CONTINUE_RESPONSE_HEADERS
+    answer = phase(T_RESPONSE_HEADERS, CACHE_MISS + extra)
+    return answer + READ_RESPONSE_BODY if read_body else answer
+
+
+def cached_response(body: bytes, content_type: str, version: str, *headers: tuple[str, str]) -> bytes:
+    """A gateway-cache hit: the worker's stored 200 answer, with the version that served and ``hit``."""
+    return immediate(http_status_pb2.OK, body, "inferlb_cache_hit", (MODEL_HEADER, version),
+                     (CACHE_HEADER, "hit"), *headers, content_type=content_type)
 
 
 def header_value(message: pb.HttpHeaders, name: str) -> str | None:

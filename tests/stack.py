@@ -504,6 +504,9 @@ def running_ext_proc(
     (its first EDS view arrived). Pass ``port`` to take the ext_proc port the control plane's LDS names."""
     port = port or free_port()
     metrics_port = metrics_port or free_port()
+    # Routing tests send the same body again and again: the gateway cache (on by default) would answer them
+    # itself. Off here unless the caller's env turns it on (the cache's own tests do).
+    env = {"INFERLB_EXT_PROC_CACHE_MAX_BYTES": "0", **(env or {})}
     argv = [sys.executable, "-m", "ext_proc", "--port", str(port), "--metrics-port", str(metrics_port),
             "--xds-port", str(xds_port), "--xds-mode", xds_mode, "--node-id", node_id]
     proc = launch(f"ext-proc-{node_id}", argv, log_dir, env)

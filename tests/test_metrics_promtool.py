@@ -34,9 +34,12 @@ def scrape(url: str) -> str:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
     with running_gateway(tmp_path_factory.mktemp("promtool"), workers=2,
-                         worker_args=("--models", MODELS), name="promtool") as gw:
+                         worker_args=("--models", MODELS), name="promtool",
+                         ext_proc_env={"INFERLB_EXT_PROC_CACHE_MAX_BYTES": str(1 << 20)}) as gw:
         with http() as client:
-            for model in ("all-MiniLM-L6-v2-fp32", "all-MiniLM-L6-v2", "no-such-model", None):
+            # fp32 twice: a gateway-cache miss, then a hit.
+            for model in ("all-MiniLM-L6-v2-fp32", "all-MiniLM-L6-v2-fp32", "all-MiniLM-L6-v2", "no-such-model",
+                          None):
                 body = {"input": "count me"} | ({"model": model} if model else {})
                 client.post(gw.url(), json=body)
             client.get(gw.url("/v1/models"))
@@ -53,6 +56,7 @@ def test_the_control_plane_metrics_pass_promtool(gateway: Gateway) -> None:
 def test_ext_proc_metrics_pass_promtool(gateway: Gateway) -> None:
     text = scrape(f"{gateway.ext_proc.metrics_url}/metrics")
     assert "inferlb_ext_proc_model_requests_total" in text
+    assert 'inferlb_ext_proc_cache_requests_total{level="memory",result="hit"} 1.0' in text
     done = promtool(text)
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -226,7 +226,9 @@ def test_ext_proc_filter(fail_open: bool) -> None:
     # ext_proc may extend one answer's timeout this far (a request waiting in its fair queue).
     assert ext.max_message_timeout.ToMilliseconds() == settings.ext_proc.max_message_timeout_ms == 10_000
     assert ext.status_on_error.code == 503  # failing closed (API keys required): a retryable status
-    assert ext.allow_mode_override is False
+    # ext_proc may ask for one response's body (to fill its gateway cache); the configured modes send none.
+    assert ext.allow_mode_override is True
+    assert ext.processing_mode.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
     assert list(ext.response_attributes) == ["upstream.address"]
     mode = processing_mode_pb2.ProcessingMode
     assert ext.processing_mode == mode(

@@ -61,7 +61,9 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
             response_body_mode=mode.NONE,
             response_trailer_mode=mode.SKIP,
         ),
-        allow_mode_override=False,
+        # ext_proc asks for one response's body (mode_override in its response-headers answer) to fill its
+        # gateway cache: only for a cacheable 200 miss, so hits and other answers cost nothing more.
+        allow_mode_override=True,
         # Not set: send_body_without_waiting_for_header_response. Envoy 1.40 honours it only with
         # request_body_mode STREAMED (or FULL_DUPLEX_STREAMED); with BUFFERED it holds the body until
         # the request-headers answer anyway, so it would change nothing. STREAMED would save that round
