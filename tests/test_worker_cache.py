@@ -12,6 +12,7 @@ from typing import AsyncIterator
 import numpy as np
 import pytest
 
+from workers.batcher import Embedded, Priority
 from workers.cached_embedding import CachedEmbedder, CachePolicy
 from workers.config import WorkerConfig, load_config
 from workers.model_batchers import ModelBatchers
@@ -118,9 +119,7 @@ def test_a_follower_whose_leader_leaves_computes_the_input_itself() -> None:
     async def main() -> None:
         engine = GatedEngine()
         async with gated_embedder(engine) as (embedder, recorder):
-            loop = asyncio.get_running_loop()
-            blocker = asyncio.ensure_future(embedder.embed([[9] * 50], model="m"))
-            await loop.run_in_executor(None, engine.entered.acquire)  # the blocker's batch is computing
+            blocker = await busy(embedder, engine)
             leader = asyncio.ensure_future(embedder.embed([[7, 7]], model="m"))
             await _until(lambda: embedder.inflight_keys == 2)
             follower = asyncio.ensure_future(embedder.embed([[7, 7]], model="m"))
@@ -128,13 +127,36 @@ def test_a_follower_whose_leader_leaves_computes_the_input_itself() -> None:
             leader.cancel()
             engine.gate.release()  # the blocker ends; the follower's own [7, 7] is queued and computed
             await blocker
-            await loop.run_in_executor(None, engine.entered.acquire)
+            await asyncio.get_running_loop().run_in_executor(None, engine.entered.acquire)
             engine.gate.release()
             row = (await follower).vectors[0]
             assert row.tolist() == [2.0, 7.0]  # GatedEngine's [length, first id]
             assert leader.cancelled()
             assert embedder.inflight_keys == 0
             assert recorder.results == {"hit": 0, "miss": 3, "coalesced": 1}  # the retry counts again
+
+    asyncio.run(main())
+
+
+def test_an_input_joins_only_a_computation_of_its_own_class_or_a_better_one() -> None:
+    """A critical input must not wait in a sheddable request's place; it leads the later arrivals."""
+
+    async def main() -> None:
+        engine = GatedEngine()
+        async with gated_embedder(engine) as (embedder, recorder):
+            blocker = await busy(embedder, engine)
+            sheddable = asyncio.ensure_future(embedder.embed([[7, 7]], model="m", priority=Priority.SHEDDABLE))
+            await _until(lambda: recorder.results["miss"] == 2)
+            critical = asyncio.ensure_future(embedder.embed([[7, 7]], model="m", priority=Priority.CRITICAL))
+            await _until(lambda: recorder.results["miss"] == 3)  # computed, not joined to the sheddable one
+            standard = asyncio.ensure_future(embedder.embed([[7, 7]], model="m", priority=Priority.STANDARD))
+            await _until(lambda: recorder.results["coalesced"] == 1)  # joined the critical one
+            for _ in range(3):
+                engine.gate.release()
+            results = await asyncio.gather(blocker, sheddable, critical, standard)
+            assert [r.vectors.tolist() for r in results[1:]] == [[[2.0, 7.0]]] * 3
+            assert recorder.results == {"hit": 0, "miss": 3, "coalesced": 1}
+            assert embedder.inflight_keys == 0
 
     asyncio.run(main())
 
@@ -169,6 +191,13 @@ async def gated_embedder(engine: GatedEngine) -> AsyncIterator[tuple[CachedEmbed
             yield CachedEmbedder(batcher, InputCache(100 * ENTRY), recorder), recorder
         finally:
             await batcher.stop()
+
+
+async def busy(embedder: CachedEmbedder, engine: GatedEngine) -> asyncio.Future[Embedded]:
+    """A request of one long input, returned once its batch holds the engine (until ``engine.gate``)."""
+    blocker = asyncio.ensure_future(embedder.embed([[9] * 50], model="m"))
+    await asyncio.get_running_loop().run_in_executor(None, engine.entered.acquire)
+    return blocker
 
 
 async def _until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]

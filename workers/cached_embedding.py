@@ -12,7 +12,9 @@ If the leader's request fails or is cancelled before the input is done, its
 followers are released with nothing and queue the input themselves, so a
 client who leaves never fails another's request. A follower waits at the
 leader's priority and deadline: it asked for the same work, and the leader
-is already in the queue ahead of it.
+is already in the queue ahead of it. So a follower joins only a leader of its
+own class or a better one: a critical input must not wait in a sheddable
+request's place; it computes the input itself and leads later arrivals.
 
 A request with ``Cache-Control: no-cache`` or ``no-store`` neither reads the
 cache nor joins another's computation (it asked for a fresh one); others may
@@ -55,6 +57,14 @@ class CacheCounter(Protocol):
     def cache_results(self, *, hits: int, misses: int, coalesced: int) -> None: ...
 
 
+@dataclass(frozen=True)
+class _Leader:
+    """An input being computed: the future its followers wait on, and the class it is queued in."""
+
+    future: asyncio.Future[np.ndarray | None]
+    priority: Priority
+
+
 @dataclass
 class _Plan:
     """How a request's inputs will be answered: rows already known, keys to compute, futures to wait on."""
@@ -73,7 +83,7 @@ class CachedEmbedder:
         self._scheduler = scheduler
         self._cache = cache
         self._counter = counter
-        self._inflight: dict[CacheKey, asyncio.Future[np.ndarray | None]] = {}
+        self._inflight: dict[CacheKey, _Leader] = {}
 
     @property
     def inflight_keys(self) -> int:
@@ -84,7 +94,7 @@ class CachedEmbedder:
                     deadline: float | None = None, policy: CachePolicy = CachePolicy()) -> Embedded:
         if not self._cache.enabled:
             return await self._scheduler.embed(inputs, model=model, priority=priority, deadline=deadline)
-        plan = self._plan([CacheKey.of(model, ids) for ids in inputs], policy)
+        plan = self._plan([CacheKey.of(model, ids) for ids in inputs], policy, Priority(priority))
         self._counter.cache_results(hits=plan.hits, misses=len(plan.compute), coalesced=plan.coalesced)
         timing = (0.0, 0.0)
         if plan.compute:
@@ -102,7 +112,7 @@ class CachedEmbedder:
                 plan.rows[index] = row
         return Embedded(vectors=np.stack(plan.rows), queue_s=timing[0], compute_s=timing[1])
 
-    def _plan(self, keys: list[CacheKey], policy: CachePolicy) -> _Plan:
+    def _plan(self, keys: list[CacheKey], policy: CachePolicy, priority: Priority) -> _Plan:
         plan = _Plan(rows=[None] * len(keys), compute={}, follow={})
         for index, key in enumerate(keys):
             if key in plan.compute:  # the same input twice in one request: computed once
@@ -115,9 +125,9 @@ class CachedEmbedder:
                     plan.rows[index] = vector
                     plan.hits += 1
                     continue
-                future = self._inflight.get(key)
-                if future is not None:
-                    plan.follow[index] = future
+                leader = self._inflight.get(key)
+                if leader is not None and leader.priority <= priority:
+                    plan.follow[index] = leader.future
                     plan.coalesced += 1
                     continue
             plan.compute[key] = [index]
@@ -127,10 +137,13 @@ class CachedEmbedder:
                        policy: CachePolicy) -> tuple[float, float]:
         """Queue the plan's misses as one request; publish each result to its followers and the cache."""
         loop = asyncio.get_running_loop()
-        led: dict[CacheKey, asyncio.Future[np.ndarray | None]] = {}
+        led: dict[CacheKey, _Leader] = {}
         for key in plan.compute:
-            if key not in self._inflight:  # one already computing for a no-cache request: it stays the leader
-                led[key] = self._inflight[key] = loop.create_future()
+            current = self._inflight.get(key)
+            # One already computing (for a no-cache request, or in a worse class) stays the leader unless this
+            # request's class is better: later arrivals of that class then join this one.
+            if current is None or priority < current.priority:
+                led[key] = self._inflight[key] = _Leader(loop.create_future(), Priority(priority))
         try:
             result = await self._scheduler.embed([key.ids for key in plan.compute], model=model, priority=priority,
                                                  deadline=deadline)
@@ -145,11 +158,10 @@ class CachedEmbedder:
         self._release(led, dict(zip(plan.compute, result.vectors)))
         return result.queue_s, result.compute_s
 
-    def _release(self, led: dict[CacheKey, asyncio.Future[np.ndarray | None]],
-                 rows: dict[CacheKey, np.ndarray] | None) -> None:
+    def _release(self, led: dict[CacheKey, _Leader], rows: dict[CacheKey, np.ndarray] | None) -> None:
         """Hand the led keys' rows to their followers (None: the leader failed; they compute it themselves)."""
-        for key, future in led.items():
-            if self._inflight.get(key) is future:
+        for key, leader in led.items():
+            if self._inflight.get(key) is leader:
                 del self._inflight[key]
-            if not future.done():
-                future.set_result(None if rows is None else rows[key])
+            if not leader.future.done():
+                leader.future.set_result(None if rows is None else rows[key])
