@@ -25,6 +25,7 @@ from .fair_queue import GateSettings
 from .metrics import ExtProcMetrics, LiveState, create_http_app
 from .quota_stores import open_quota_store
 from .registry import PluginRegistry
+from .response_cache_redis import RedisResponseCache
 from .server import ExtProcServicer, ServiceSettings
 from .serving import HealthReporter, serve_grpc
 from .tokens import TokenCounter, packaged_tokenizer_path
@@ -65,6 +66,10 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
     ), observer=metrics)
     quotas = open_quota_store(config.quota_store, config.quota_failure_mode, config.quota_store_timeout_ms / 1000,
                               config.quota_lease_ttl_s, metrics)
+    shared_cache = None
+    if config.cache_store != "memory" and config.cache_max_bytes:
+        shared_cache = RedisResponseCache.from_url(config.cache_store, timeout_s=config.cache_store_timeout_ms / 1000,
+                                                   ttl_s=config.cache_ttl_s, max_bytes=config.cache_store_max_bytes)
     servicer = ExtProcServicer.create(
         ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
                         response_headers=config.response_headers, max_body_bytes=config.max_body_bytes,
@@ -77,7 +82,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
                                                 max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,
                                                 aging_s=config.fair_queue_aging_s)),
         xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params), config.policy_allowlist,
-        quotas)
+        quotas, shared_cache)
     holder.append(servicer)
     health = HealthReporter(xds)
     grpc_server = await serve_grpc(servicer, health, config.grpc_target, config.grpc_max_message_bytes,
@@ -109,6 +114,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
         "node_id": config.node_id,
         "node_cluster": config.node_cluster, "pick_policy": config.pick_policy,
         "require_api_keys": config.require_api_keys, "quota_store": redacted_url(config.quota_store),
+        "cache_store": redacted_url(config.cache_store),
     })
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -122,6 +128,8 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
     if servicer.gate is not None:
         await servicer.gate.aclose()
     await quotas.aclose()
+    if shared_cache is not None:
+        await shared_cache.aclose()
     if http is not None:
         http.should_exit = True
     stopper.cancel()

@@ -112,15 +112,19 @@ class ExtProcConfig(BaseSettings):
     cache_ttl_s: float = Field(300.0, gt=0, le=86_400)
     cache_max_entry_bytes: int = Field(1 * MIB, ge=1024)
     cache_per_tenant: bool = False
-    # Where: "memory" (in process). The shared Redis level is not built yet.
-    cache_store: Literal["memory"] = "memory"
+    # "memory": in process only. A redis://, rediss:// or unix:// URL (the quotas' server): a shared level
+    # behind it, for hits across replicas, holding at most cache_store_max_bytes (oldest out first; its keys
+    # expire after cache_ttl_s); Redis slower than cache_store_timeout_ms is a miss, never a failure.
+    cache_store: str = "memory"
+    cache_store_max_bytes: int = Field(256 * MIB, ge=1024)
+    cache_store_timeout_ms: int = Field(50, ge=1, le=10_000)
     # uvloop when installed (grpc.aio runs on it: fewer CPU cycles per stream); "asyncio": the default loop.
     event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    @field_validator("quota_store")
+    @field_validator("quota_store", "cache_store")
     @classmethod
-    def _quota_store_url(cls, value: str) -> str:
+    def _store_url(cls, value: str) -> str:
         return check_store_url(value)
 
     @model_validator(mode="after")

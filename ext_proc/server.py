@@ -96,6 +96,7 @@ from .quota_memory import MemoryQuotaStore
 from .quota_reply import quota_reply
 from .registry import PluginRegistry
 from .response_cache import CachedResponse, ResponseCache
+from .response_cache_redis import RedisResponseCache
 from .routing import Router
 from .tokens import TokenCounter
 from .wire import PREDICTED_HEADER, PROCESS_METHOD, SERVICE_NAME, TOKENS_HEADER
@@ -176,7 +177,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, settings: ServiceSettings, source: ViewSource, counter: TokenCounter, router: Router,
                  metrics: ExtProcMetrics, policy_spec: PickPolicySpec | None = None,
-                 quotas: QuotaStore | None = None) -> None:
+                 quotas: QuotaStore | None = None, shared_cache: RedisResponseCache | None = None) -> None:
         self.settings = settings
         self.source = source
         self.counter = counter
@@ -211,6 +212,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if settings.cache_max_bytes:
             self.cache = ResponseCache(settings.cache_max_bytes, settings.cache_ttl_s, settings.cache_max_entry_bytes)
             metrics.cache_levels("memory")
+        # The shared level (Redis), behind the in-process one; only with it.
+        self.shared_cache = shared_cache if self.cache is not None else None
+        if self.shared_cache is not None:
+            metrics.cache_levels("redis")
+        self._shared_stores: set[asyncio.Task[None]] = set()
         self._cached_versions: frozenset[str] = frozenset()  # the catalogue's versions the cache was checked by
         source.add_listener(self.on_view)
         if source.view is not None:
@@ -219,13 +225,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     @classmethod
     def create(cls, settings: ServiceSettings, source: ViewSource, metrics: ExtProcMetrics,
                counter: TokenCounter, default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
-               allow: PolicyAllowlist = PolicyAllowlist(), quotas: QuotaStore | None = None) -> "ExtProcServicer":
+               allow: PolicyAllowlist = PolicyAllowlist(), quotas: QuotaStore | None = None,
+               shared_cache: RedisResponseCache | None = None) -> "ExtProcServicer":
         """The servicer with a fresh router (``default_policy`` until EDS names one; a bad default raises
         ValueError here, at start-up). Only built-ins, entry points and specs under ``allow``'s module
         prefixes are loaded, whatever EDS names."""
         registry = PluginRegistry.with_slow_start(settings.slow_start_s, allow, metrics.policy_failure)
         router = Router(registry, default_policy.name, dict(default_policy.params))
-        return cls(settings, source, counter, router, metrics, default_policy, quotas)
+        return cls(settings, source, counter, router, metrics, default_policy, quotas, shared_cache)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the ExternalProcessor service on raw bytes (this servicer parses and serialises)."""
@@ -598,10 +605,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return resolved
         assert self.cache is not None
         hit = self.cache.get(key)
+        self.metrics.cache_request("memory", "hit" if hit is not None else "miss")
+        if hit is None and self.shared_cache is not None:
+            hit = await self.shared_cache.get(key)
+            if hit is not None and hit.version not in view.catalogue.versions:
+                hit = None  # stored by a replica before its version left the catalogue
+            self.metrics.cache_request("redis", "hit" if hit is not None else "miss")
+            if hit is not None:
+                self.cache.put(key, hit)  # the next one is answered here
         if hit is None:
-            self.metrics.cache_request("memory", "miss")
             return resolved
-        self.metrics.cache_request("memory", "hit")
         stream.outcome, stream.forwarded, stream.cache_key = "served", True, None  # its quota is used
         limits = tuple(rate_limit_headers(stream.quota)) if stream.quota is not None else ()
         return wire.cached_response(hit.body, hit.content_type, hit.version, *limits)
@@ -627,8 +640,24 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if not message.end_of_stream:
             return
         evictions = self.cache.evictions
-        if self.cache.put(stream.cache_key, CachedResponse(bytes(message.body), content_type, version)):
+        response = CachedResponse(bytes(message.body), content_type, version)
+        if self.cache.put(stream.cache_key, response):
             self.metrics.cache_state("memory", self.cache.bytes, self.cache.evictions - evictions)
+        if self.shared_cache is not None:  # off the stream: it is ending, and Redis is a round trip away
+            task = asyncio.get_running_loop().create_task(self._share(stream.cache_key, response))
+            self._shared_stores.add(task)
+            task.add_done_callback(self._shared)
+
+    async def _share(self, key: bytes, response: CachedResponse) -> None:
+        assert self.shared_cache is not None
+        stored = await self.shared_cache.put(key, response)
+        if stored is not None:
+            self.metrics.cache_state("redis", *stored)
+
+    def _shared(self, task: asyncio.Task[None]) -> None:
+        self._shared_stores.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("gateway cache: storing in Redis failed", exc_info=task.exception())
 
     def _reply(self, stream: _Stream, request: RequestView, reply: Reply) -> bytes:
         """ext_proc answers the request itself (an admit plugin's reply, the model filter's 404 or 503)."""

@@ -1,6 +1,7 @@
 """The gateway cache end to end (issue 16): a real worker serving two MiniLM versions, the control plane,
 ext_proc and Envoy. Envoy really sends a miss's response body when ext_proc asks for it (mode_override), and
-the hit is ext_proc's ImmediateResponse: the same bytes (vectors and usage), and the worker never sees it."""
+the hit is ext_proc's ImmediateResponse: the same bytes (vectors and usage), and the worker never sees it. The
+shared level: a real redis-server between two ext_proc replicas."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .stack import (
 )
 
 pytestmark = pytest.mark.slow
+pytest_plugins = ("tests.redis_server",)  # the redis_url fixture (a real redis-server)
 
 FAMILY = "all-MiniLM-L6-v2"
 INT8, FP32 = f"{FAMILY}-int8", f"{FAMILY}-fp32"
@@ -115,3 +117,38 @@ def test_errors_and_no_store_answers_are_never_served_from_the_cache(stack: Stac
         response = stack.embed(body, {"cache-control": "no-store"})
         assert response.status_code == 200 and response.headers["x-inferlb-cache"] == "miss"
     assert stack.worker_requests() == before + 2
+
+
+def test_the_shared_level_answers_what_another_replica_stored(data_dir: Path, redis_url: str,
+                                                             tmp_path: Path) -> None:
+    """Replica one stores a miss in Redis; replica two, started afresh on the same port (its own level empty),
+    answers the same question from Redis: through real Envoy, and the worker never sees it."""
+    ext_proc_port = free_port()
+    env = {"INFERLB_EXT_PROC_CACHE_MAX_BYTES": str(64 << 20), "INFERLB_EXT_PROC_CACHE_STORE": redis_url,
+           "INFERLB_EXT_PROC_CACHE_STORE_TIMEOUT_MS": "1000"}
+    with ExitStack() as es:
+        worker = es.enter_context(running_worker(data_dir, tmp_path, "--models", INT8))
+        wid = worker.url.removeprefix("http://")
+        cp = es.enter_context(running_control_plane(tmp_path, endpoints=[wid], ext_proc_port=ext_proc_port))
+        envoy = es.enter_context(running_envoy(tmp_path, xds_port=cp.xds_port, node_id="envoy-shared-cache"))
+        body = {"model": INT8, "input": "one replica tells another"}
+        with running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port, node_id="ext-proc-one",
+                              env=env) as one:
+            s = Stack(worker, cp, one)
+            wait_for(lambda: envoy.healthy_hosts() == {wid}, 30, "Envoy to see the worker healthy",
+                     [cp.proc, one.proc, envoy.proc])
+            first = wait_for(lambda: (r := s.embed(body)).status_code == 200 and r.headers.get(MODEL_HEADER) == INT8
+                             and r, 30, "a first answer from the int8 version", [cp.proc, one.proc, envoy.proc])
+            assert first.headers["x-inferlb-cache"] == "miss"
+            wait_for(lambda: sample(one.metrics(), "inferlb_ext_proc_cache_bytes", level="redis"), 15,
+                     "the answer stored in Redis", [one.proc])
+        before = s.worker_requests()
+        with running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port, node_id="ext-proc-two",
+                              env=env) as two:
+            hit = s.embed(body)
+            assert hit.status_code == 200 and hit.headers["x-inferlb-cache"] == "hit", hit.text
+            assert hit.content == first.content
+            assert s.worker_requests() == before
+            samples = two.metrics()
+            assert sample(samples, "inferlb_ext_proc_cache_requests_total", level="redis", result="hit") == 1
+            assert sample(samples, "inferlb_ext_proc_cache_requests_total", level="memory", result="miss") == 1
