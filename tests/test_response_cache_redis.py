@@ -30,7 +30,8 @@ def shared(url: str, **kwargs: float) -> RedisResponseCache:
     return RedisResponseCache.from_url(url, **options)  # type: ignore[arg-type]
 
 
-def test_an_answer_stored_by_one_replica_is_a_hit_at_another(counter: TokenCounter, redis_url: str) -> None:  # noqa: F811
+def test_an_answer_stored_by_one_replica_is_a_hit_at_another(counter: TokenCounter,  # noqa: F811
+                                                           redis_url: str) -> None:
     async def scenario() -> None:
         first, second = shared(redis_url), shared(redis_url)
         try:
