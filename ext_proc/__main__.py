@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "below it (repeat for more; default: none)")
     p.add_argument("--slow-start", dest="slow_start_s", type=float, metavar="SECONDS",
                    help="ramp a newly routable worker's share of the picks up over this window (default 10; 0: off)")
+    p.add_argument("--cache-max-bytes", type=int, metavar="BYTES",
+                   help="the gateway cache's in-process bound (default 64 MiB; 0: no cache)")
+    p.add_argument("--cache-store", metavar="URL",
+                   help="'memory' (default) or a redis:// URL: a level shared by the replicas behind it")
     p.add_argument("--reuse-port", action="store_true", default=None,
                    help="share the gRPC port with other ext_proc processes (SO_REUSEPORT; give each its own "
                         "--metrics-port or 0)")
