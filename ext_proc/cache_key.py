@@ -14,31 +14,16 @@ from typing import Any, Mapping
 
 import orjson
 
+from inferlb_runtime.cache_control import CACHE_CONTROL_HEADER, CacheDirectives, parse_cache_control
+
 # Body fields (besides ``input``) that change the worker's answer.
 OUTPUT_FIELDS = ("encoding_format", "truncate", "dimensions")
-CACHE_CONTROL_HEADER = "cache-control"
 CACHEABLE_PATH = "/v1/embeddings"
 
 
-@dataclass(frozen=True)
-class Directives:
-    """A request's cache directives: ``no_cache`` skips the lookup (the fresh answer may be stored),
-    ``no_store`` skips both."""
-
-    no_cache: bool = False
-    no_store: bool = False
-
-
-NO_DIRECTIVES = Directives()
-
-
-def directives(headers: Mapping[str, str]) -> Directives:
-    """Parse ``Cache-Control`` (case-insensitive tokens; unknown ones ignored, as HTTP says)."""
-    value = headers.get(CACHE_CONTROL_HEADER)
-    if not value:
-        return NO_DIRECTIVES
-    tokens = {part.strip().split("=", 1)[0].lower() for part in value.split(",")}
-    return Directives(no_cache="no-cache" in tokens, no_store="no-store" in tokens)
+def directives(headers: Mapping[str, str]) -> CacheDirectives:
+    """The request's ``Cache-Control`` directives (``inferlb_runtime.cache_control``)."""
+    return parse_cache_control(headers.get(CACHE_CONTROL_HEADER))
 
 
 def cacheable_request(headers: Mapping[str, str]) -> bool:

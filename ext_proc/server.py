@@ -84,7 +84,7 @@ from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.request_class import OBJECTIVE_HEADER, BadRequestHeader, Priority, parse_budget_s, parse_priority
 
 from . import wire
-from .cache_key import Directives, cacheable_request, directives, request_key
+from .cache_key import cacheable_request, directives, request_key
 from .callers import ANONYMOUS, AUTHORIZATION_HEADER, Caller, identify
 from .catalogue import ModelCatalogue
 from .metrics import OTHER_MODEL, ExtProcMetrics, LiveState
@@ -583,7 +583,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         stored. Unresolvable (no view, nothing routable, an unknown model): routed as without a cache."""
         if not cacheable_request(stream.headers):
             return request
-        asked: Directives = directives(stream.headers)
+        asked = directives(stream.headers)
         view = self.source.view
         if asked.no_store or view is None or not view.routable:
             return request

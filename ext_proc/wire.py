@@ -25,6 +25,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from inferlb_runtime.cache_control import CACHE_STATUS_HEADER
 from inferlb_runtime.hostport import id_of_authority
 from inferlb_runtime.model_routing import MODEL_HEADER
 from inferlb_runtime.protowire import ONE_BYTE, len_field, varint
@@ -113,7 +114,7 @@ P_COUNTED = option_prefix(COUNTED_RESPONSE_HEADER)
 P_MODEL = option_prefix(MODEL_HEADER)
 PICK_CACHE_MAX = 4096  # ranked picks whose header entry and metadata are kept serialised
 
-CACHE_HEADER = "x-inferlb-cache"
+CACHE_HEADER = CACHE_STATUS_HEADER
 CACHE_MISS = option(option_prefix(CACHE_HEADER), b"miss")
 # A mode_override in the response-headers answer (the filter allows overrides): Envoy sends this one
 # response's body, up to its buffer limit, in one message (BUFFERED_PARTIAL: a bigger body is sent in part,

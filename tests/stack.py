@@ -419,9 +419,14 @@ class LoadResult:
         return sum(self.codes.values()) + sum(self.errors.values())
 
 
+NO_STORE = {"cache-control": "no-store"}
+
+
 class BackgroundLoad:
     """POSTs to ``url`` from ``concurrency`` threads until stopped, ``max_requests`` are sent or
-    ``max_seconds`` pass, whichever comes first. Use as a context manager: it always stops and joins."""
+    ``max_seconds`` pass, whichever comes first. Use as a context manager: it always stops and joins.
+    Each request says ``Cache-Control: no-store``: the load is there to keep workers busy, and the same
+    body again would otherwise be answered by ext_proc's gateway cache."""
 
     def __init__(self, url: str, body: dict, *, concurrency: int = 4, max_requests: int = 50_000,
                  max_seconds: float = 120) -> None:
@@ -441,7 +446,7 @@ class BackgroundLoad:
                     if self.result.sent >= self.max_requests:
                         return
                 try:
-                    code = client.post(self.url, json=self.body).status_code
+                    code = client.post(self.url, json=self.body, headers=NO_STORE).status_code
                     with self._lock:
                         self.result.codes[code] += 1
                 except httpx.HTTPError as exc:

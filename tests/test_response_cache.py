@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ext_proc.cache_key import Directives, cacheable_request, directives, request_key
+from ext_proc.cache_key import cacheable_request, directives, request_key
+from inferlb_runtime.cache_control import CacheDirectives
 from ext_proc.response_cache import ENTRY_OVERHEAD_BYTES, CachedResponse, ResponseCache
 
 INT8, FP32 = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32"
@@ -38,9 +39,9 @@ def test_a_body_without_a_usable_input_is_not_cacheable(body: bytes) -> None:
 
 
 def test_cache_control_and_which_requests_are_cacheable() -> None:
-    assert directives({}) == Directives()
-    assert directives({"cache-control": "No-Cache"}) == Directives(no_cache=True)
-    assert directives({"cache-control": "max-age=0, no-store"}) == Directives(no_store=True)
+    assert directives({}) == CacheDirectives()
+    assert directives({"cache-control": "No-Cache"}) == CacheDirectives(no_cache=True)
+    assert directives({"cache-control": "max-age=0, no-store"}) == CacheDirectives(no_store=True)
     assert cacheable_request({":method": "POST", ":path": "/v1/embeddings?x=1"})
     assert not cacheable_request({":method": "GET", ":path": "/v1/embeddings"})
     assert not cacheable_request({":method": "POST", ":path": "/v1/other"})

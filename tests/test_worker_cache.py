@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from workers.batcher import Embedded, Priority
-from workers.cached_embedding import CachedEmbedder, CachePolicy
+from workers.cached_embedding import CachedEmbedder
 from workers.config import WorkerConfig, load_config
 from workers.model_batchers import ModelBatchers
 from workers.input_cache import ID_BYTES, CacheKey, InputCache
-from workers.request_options import cache_policy, parse_request_options
+from inferlb_runtime.cache_control import CacheDirectives, parse_cache_control
+from workers.request_options import parse_request_options
 
 from .test_batcher import GatedEngine, Observer
 
@@ -88,17 +89,18 @@ def test_versions_never_share_an_entry() -> None:
 
 
 @pytest.mark.parametrize("header, policy", [
-    (None, CachePolicy(True, True)),
-    ("no-cache", CachePolicy(False, True)),
-    ("No-Cache, max-age=0", CachePolicy(False, True)),
-    ("no-store", CachePolicy(False, False)),
-    ("max-age=60, no-store", CachePolicy(False, False)),
-    ("max-age=60", CachePolicy(True, True)),
+    (None, (True, True)),
+    ("no-cache", (False, True)),
+    ("No-Cache, max-age=0", (False, True)),
+    ("no-store", (False, False)),
+    ("max-age=60, no-store", (False, False)),
+    ("max-age=60", (True, True)),
 ])
-def test_cache_control_directives(header: str | None, policy: CachePolicy) -> None:
-    assert cache_policy(header) == policy
+def test_cache_control_directives(header: str | None, policy: tuple[bool, bool]) -> None:
+    directives = parse_cache_control(header)
+    assert (directives.lookup, directives.store) == policy
     headers = {"cache-control": header} if header is not None else {}
-    assert parse_request_options(headers, 0.0).cache == policy
+    assert parse_request_options(headers, 0.0).cache == directives
 
 
 def test_cache_max_bytes_from_toml_env_and_flag(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -170,10 +172,10 @@ def test_duplicates_in_one_request_are_computed_once_and_the_answer_is_cached() 
             first = await embedder.embed([[5, 1], [6, 1, 1], [5, 1]], model="m")
             assert sum(len(batch) for batch in engine.batches) == 2
             assert recorder.results == {"hit": 0, "miss": 2, "coalesced": 1}
-            again = await embedder.embed([[6, 1, 1], [5, 1]], model="m", policy=CachePolicy(lookup=True))
+            again = await embedder.embed([[6, 1, 1], [5, 1]], model="m", policy=CacheDirectives())
             assert recorder.results == {"hit": 2, "miss": 2, "coalesced": 1}
             assert again.vectors.tobytes() == first.vectors[[1, 0]].tobytes()
-            fresh = await embedder.embed([[5, 1]], model="m", policy=CachePolicy(lookup=False))
+            fresh = await embedder.embed([[5, 1]], model="m", policy=CacheDirectives(no_cache=True))
             assert recorder.results["miss"] == 3 and fresh.vectors.tolist() == [[2.0, 5.0]]
 
     asyncio.run(main())

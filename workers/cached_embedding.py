@@ -30,6 +30,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from inferlb_runtime.cache_control import NO_DIRECTIVES, CacheDirectives
 from inferlb_runtime.request_class import Priority
 
 from .batcher import Embedded
@@ -41,14 +42,6 @@ class Embedder(Protocol):
 
     async def embed(self, inputs: Sequence[Sequence[int]], *, model: str, priority: Priority = Priority.STANDARD,
                     deadline: float | None = None) -> Embedded: ...
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    """What one request lets the cache do (from its ``Cache-Control`` header)."""
-
-    lookup: bool = True
-    store: bool = True
 
 
 class CacheCounter(Protocol):
@@ -91,7 +84,7 @@ class CachedEmbedder:
         return len(self._inflight)
 
     async def embed(self, inputs: Sequence[Sequence[int]], *, model: str, priority: Priority = Priority.STANDARD,
-                    deadline: float | None = None, policy: CachePolicy = CachePolicy()) -> Embedded:
+                    deadline: float | None = None, policy: CacheDirectives = NO_DIRECTIVES) -> Embedded:
         if not self._cache.enabled:
             return await self._scheduler.embed(inputs, model=model, priority=priority, deadline=deadline)
         plan = self._plan([CacheKey.of(model, ids) for ids in inputs], policy, Priority(priority))
@@ -107,12 +100,12 @@ class CachedEmbedder:
             plan.rows[index] = row
         if retry:  # the leader gave up: compute these ourselves (they count again, as whatever they become)
             again = await self.embed([inputs[i] for i in retry], model=model, priority=priority,
-                                     deadline=deadline, policy=CachePolicy(lookup=False, store=policy.store))
+                                     deadline=deadline, policy=CacheDirectives(no_cache=True, no_store=policy.no_store))
             for index, row in zip(retry, again.vectors):
                 plan.rows[index] = row
         return Embedded(vectors=np.stack(plan.rows), queue_s=timing[0], compute_s=timing[1])
 
-    def _plan(self, keys: list[CacheKey], policy: CachePolicy, priority: Priority) -> _Plan:
+    def _plan(self, keys: list[CacheKey], policy: CacheDirectives, priority: Priority) -> _Plan:
         plan = _Plan(rows=[None] * len(keys), compute={}, follow={})
         for index, key in enumerate(keys):
             if key in plan.compute:  # the same input twice in one request: computed once
@@ -134,7 +127,7 @@ class CachedEmbedder:
         return plan
 
     async def _compute(self, plan: _Plan, model: str, priority: Priority, deadline: float | None,
-                       policy: CachePolicy) -> tuple[float, float]:
+                       policy: CacheDirectives) -> tuple[float, float]:
         """Queue the plan's misses as one request; publish each result to its followers and the cache."""
         loop = asyncio.get_running_loop()
         led: dict[CacheKey, _Leader] = {}

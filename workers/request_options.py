@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from inferlb_runtime.cache_control import CACHE_CONTROL_HEADER, NO_DIRECTIVES, CacheDirectives, parse_cache_control
 from inferlb_runtime.model_routing import MODEL_HEADER, check_model_name
 from inferlb_runtime.request_class import BadRequestHeader, Priority, parse_budget_s, parse_priority
 
-from .cached_embedding import CachePolicy
 from .protocol import APIError
 
 
@@ -25,18 +25,7 @@ class RequestOptions:
     priority: Priority = Priority.STANDARD
     deadline: float | None = None  # time.perf_counter() seconds
     model: str | None = None  # the version named in MODEL_HEADER
-    cache: CachePolicy = CachePolicy()
-
-
-def cache_policy(header: str | None) -> CachePolicy:
-    """``no-cache``: no lookup (the fresh answer is still stored); ``no-store``: neither. Other directives
-    (max-age and the like) mean nothing to a cache of deterministic results and are ignored."""
-    if not header:
-        return CachePolicy()
-    directives = {part.split("=", 1)[0].strip().lower() for part in header.split(",")}
-    if "no-store" in directives:
-        return CachePolicy(lookup=False, store=False)
-    return CachePolicy(lookup="no-cache" not in directives)
+    cache: CacheDirectives = NO_DIRECTIVES
 
 
 def parse_request_options(headers: Mapping[str, str], now: float) -> RequestOptions:
@@ -53,4 +42,4 @@ def parse_request_options(headers: Mapping[str, str], now: float) -> RequestOpti
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_header", param=MODEL_HEADER) from None
     return RequestOptions(priority, now + budget if budget is not None else None, model,
-                          cache_policy(headers.get("cache-control")))
+                          parse_cache_control(headers.get(CACHE_CONTROL_HEADER)))
