@@ -46,6 +46,8 @@ examples:
   inferlb bench autoscale --low-s 10 --high-s 30 --after-s 40 --scale-down-cooldown 5 --downscale-window 5"""
 
 REQUEST_TIMEOUT_S = 30.0
+# no-store: the load is for the pool to serve (one repeated body would be answered by ext_proc's cache)
+HEADERS = {"content-type": "application/json", "cache-control": "no-store"}
 SAMPLE_EVERY_S = 0.5
 STACK_READY_TIMEOUT_S = 120.0
 WORKER_PORTS_FROM = 21000
@@ -156,7 +158,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.monotonic()
             try:
                 outcome = str((await client.post(url, content=body,
-                                                 headers={"content-type": "application/json"})).status_code)
+                                                 headers=HEADERS)).status_code)
             except httpx.HTTPError as exc:
                 outcome = type(exc).__name__
             requests.append(Request(at, time.monotonic() - t0, outcome == "200", outcome))
@@ -204,7 +206,7 @@ async def _wait_serving(client: httpx.AsyncClient, url: str, body: bytes, group:
     while time.monotonic() < deadline:
         group.check_alive()
         try:
-            if (await client.post(url, content=body, headers={"content-type": "application/json"})).status_code \
+            if (await client.post(url, content=body, headers=HEADERS)).status_code \
                     == 200:
                 return
         except httpx.TransportError:

@@ -130,7 +130,9 @@ class RolloutRunner(ScenarioRunner):
         await wait_until(admin.ext_proc_in_sync, SWITCH_TIMEOUT_S, "ext_proc to ACK the rollout", group)
 
     async def _send(self, client: httpx.AsyncClient, url: str) -> tuple[int, str | None]:
-        response = await client.post(url, content=self.body, headers={"content-type": "application/json"})
+        # no-store: every request is decided and served (one repeated body would be ext_proc's cache's)
+        response = await client.post(url, content=self.body, headers={"content-type": "application/json",
+                                                                      "cache-control": "no-store"})
         return response.status_code, response.headers.get(MODEL_HEADER)
 
     async def _canary(self, client: httpx.AsyncClient, admin: Admin, group: ProcessGroup,
