@@ -114,8 +114,7 @@ P_COUNTED = option_prefix(COUNTED_RESPONSE_HEADER)
 P_MODEL = option_prefix(MODEL_HEADER)
 PICK_CACHE_MAX = 4096  # ranked picks whose header entry and metadata are kept serialised
 
-CACHE_HEADER = CACHE_STATUS_HEADER
-CACHE_MISS = option(option_prefix(CACHE_HEADER), b"miss")
+CACHE_MISS = option(option_prefix(CACHE_STATUS_HEADER), b"miss")
 # A mode_override in the response-headers answer (the filter allows overrides): Envoy sends this one
 # response's body, up to its buffer limit, in one message (BUFFERED_PARTIAL: a bigger body is sent in part,
 # never failed, and is then not cached). The other phases stay as configured.
@@ -337,7 +336,7 @@ def response_headers_answer(served_by: str | None, tokens: int, predicted_s: flo
 def cached_response(body: bytes, content_type: str, version: str, *headers: tuple[str, str]) -> bytes:
     """A gateway-cache hit: the worker's stored 200 answer, with the version that served and ``hit``."""
     return immediate(http_status_pb2.OK, body, "inferlb_cache_hit", (MODEL_HEADER, version),
-                     (CACHE_HEADER, "hit"), *headers, content_type=content_type)
+                     (CACHE_STATUS_HEADER, "hit"), *headers, content_type=content_type)
 
 
 def header_value(message: pb.HttpHeaders, name: str) -> str | None:

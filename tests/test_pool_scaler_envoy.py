@@ -19,6 +19,7 @@ from inferlb.pool_scaler import AdminClient, PoolScaler, ScalerSettings, Supervi
 from inferlb.supervisor import Component, Supervisor
 
 from .conftest import free_port, running_worker
+from .test_envoy_integration import until_blocking
 from .stack import (
     BackgroundLoad,
     http,
@@ -95,7 +96,7 @@ async def _scale_up_then_down(data_dir: Path, tmp_path: Path, admin_url: str, to
             [member] = scaler.members
             assert admin.ready_at_registration == {member.port: 200}  # registered only once /readyz said ready
             # the new worker takes its share of the load through Envoy before it is removed
-            await _until(lambda: member.id in envoy_hosts() and served(member.port) >= 20, 60,
+            await until_blocking(lambda: member.id in envoy_hosts() and served(member.port) >= 20, 60,
                          "the added worker to serve requests through Envoy")
             before = load.snapshot().sent
             admin.desired = 1
@@ -106,15 +107,6 @@ async def _scale_up_then_down(data_dir: Path, tmp_path: Path, admin_url: str, to
             async with httpx.AsyncClient(timeout=5, trust_env=False) as probe:
                 assert (await probe.get(f"{admin_url}/v1/endpoints/{member.id}")).status_code == 404
             # and the fixed worker goes on serving everything
-            await _until(lambda: load.snapshot().sent >= before + 50, 60, "50 more requests after the scale-down")
+            await until_blocking(lambda: load.snapshot().sent >= before + 50, 60, "50 more requests after the scale-down")
     finally:
         await supervisor.stop_all()
-
-
-async def _until(check, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    """Poll a blocking ``check`` (in a thread) until true; fail naming ``what`` after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await asyncio.to_thread(check):
-        assert loop.time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)

@@ -21,6 +21,7 @@ from inferlb_runtime.cache_control import CacheDirectives, parse_cache_control
 from workers.request_options import parse_request_options
 
 from .test_batcher import GatedEngine, Observer
+from .test_ext_proc_service import until
 
 DIM = 4
 ENTRY = DIM * 4 + 2 * ID_BYTES  # a float32 vector of DIM and a key of two token ids
@@ -123,9 +124,9 @@ def test_a_follower_whose_leader_leaves_computes_the_input_itself() -> None:
         async with gated_embedder(engine) as (embedder, recorder):
             blocker = await busy(embedder, engine)
             leader = asyncio.ensure_future(embedder.embed([[7, 7]], model="m"))
-            await _until(lambda: embedder.inflight_keys == 2)
+            await until(lambda: embedder.inflight_keys == 2, 10, "two inputs in flight")
             follower = asyncio.ensure_future(embedder.embed([[7, 7]], model="m"))
-            await _until(lambda: recorder.results["coalesced"] == 1)
+            await until(lambda: recorder.results["coalesced"] == 1, 10, "one coalesced input")
             leader.cancel()
             engine.gate.release()  # the blocker ends; the follower's own [7, 7] is queued and computed
             await blocker
@@ -148,11 +149,13 @@ def test_an_input_joins_only_a_computation_of_its_own_class_or_a_better_one() ->
         async with gated_embedder(engine) as (embedder, recorder):
             blocker = await busy(embedder, engine)
             sheddable = asyncio.ensure_future(embedder.embed([[7, 7]], model="m", priority=Priority.SHEDDABLE))
-            await _until(lambda: recorder.results["miss"] == 2)
+            await until(lambda: recorder.results["miss"] == 2, 10, "two misses")
             critical = asyncio.ensure_future(embedder.embed([[7, 7]], model="m", priority=Priority.CRITICAL))
-            await _until(lambda: recorder.results["miss"] == 3)  # computed, not joined to the sheddable one
+            await until(lambda: recorder.results["miss"] == 3, 10,
+                        "three misses")  # computed, not joined to the sheddable one
             standard = asyncio.ensure_future(embedder.embed([[7, 7]], model="m", priority=Priority.STANDARD))
-            await _until(lambda: recorder.results["coalesced"] == 1)  # joined the critical one
+            await until(lambda: recorder.results["coalesced"] == 1, 10,
+                        "one coalesced input")  # joined the critical one
             for _ in range(3):
                 engine.gate.release()
             results = await asyncio.gather(blocker, sheddable, critical, standard)
@@ -200,10 +203,3 @@ async def busy(embedder: CachedEmbedder, engine: GatedEngine) -> asyncio.Future[
     blocker = asyncio.ensure_future(embedder.embed([[9] * 50], model="m"))
     await asyncio.get_running_loop().run_in_executor(None, engine.entered.acquire)
     return blocker
-
-
-async def _until(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.001)
