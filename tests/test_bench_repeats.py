@@ -38,13 +38,26 @@ def test_repeats_are_an_exact_share_of_earlier_fresh_texts_deterministic_by_seed
     sources = trace.repeat_of[repeats]
     assert np.all(sources < repeats) and np.all(trace.repeat_of[sources] == -1)  # an earlier fresh request
     fresh = np.flatnonzero(trace.repeat_of == -1)
-    assert set(sources.tolist()) <= set(fresh[:100].tolist())  # within the pool
+    assert np.array_equal(trace.bucket[sources], trace.bucket[repeats])  # within its own length bucket
+    for b, bucket in enumerate(w.mix):  # within the bucket's share of the pool
+        pool = fresh[trace.bucket[fresh] == b][:max(1, round(100 * bucket.share))]
+        assert set(sources[trace.bucket[repeats] == b].tolist()) <= set(pool.tolist())
     assert np.array_equal(trace.tokens[repeats], trace.tokens[sources])
     again = build_trace(w, 100, 20, seed=3)
     assert np.array_equal(again.repeat_of, trace.repeat_of)
     assert not np.array_equal(build_trace(w, 100, 20, seed=4).repeat_of[:n], trace.repeat_of)
     # the arrivals do not move with the knob
     assert np.array_equal(build_trace(Workload(), 100, 20, seed=3).send_at_s, trace.send_at_s)
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_the_knob_leaves_the_length_mix_so_repeats_carry_their_share_of_the_work(seed: int) -> None:
+    """The bucket sequence is the one without repeats, so 30% repeats are about 30% of the tokens whatever
+    length the most popular text has (drawn across buckets, seed 1's repeats carried 25% and seed 4's 45%)."""
+    trace = build_trace(Workload(repeat_rate=0.3, repeat_pool=1000), 90, 12, seed=seed)
+    assert np.array_equal(trace.bucket, build_trace(Workload(), 90, 12, seed=seed).bucket)
+    repeats = trace.repeat_of >= 0
+    assert 0.27 <= trace.tokens[repeats].sum() / trace.tokens.sum() <= 0.33
 
 
 def test_the_most_popular_text_repeats_most() -> None:

@@ -9,6 +9,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from inferlb.bench import cache as cache_command
@@ -20,6 +21,7 @@ from inferlb.bench.cache_report import (
     latency_figures,
     meets,
     render,
+    repeat_work_share,
     slo_crossing,
     throughput_at_slo,
     verdicts,
@@ -106,6 +108,16 @@ def test_verdicts_and_the_table() -> None:
     assert "cache off, the same body: p50 30.00 ms" in table and "30.0%" in table
     assert "p99 crosses the SLO (interpolated): off 44.3 req/s, on 62.5 req/s = 1.41x" in table
     assert len(table.splitlines()) == 2 + 5 + 3  # header, columns, one row per load, the crossing, two verdicts
+    shared = {**report, "on": {**report["on"], "sweep": [{**p, "repeat_work_share": 0.3} for p in on]}}
+    assert "the repeats carry 30.0% of the work (the cost model's), so an exact-match cache's ceiling is 1.43x" \
+        in render(shared)
+
+
+def test_the_repeats_share_of_the_work_weighs_each_request_by_the_cost_model() -> None:
+    # fixed 1 + 0.5 per token: costs 5, 11, 5, 11 -> the repeats (indices 2 and 3) carry 16 / 32
+    assert repeat_work_share(np.array([8, 20, 8, 20]), np.array([-1, -1, 0, 1]), 1.0, 0.5) == 0.5
+    assert repeat_work_share(np.array([8, 20]), np.array([-1, -1]), 1.0, 0.5) == 0.0
+    assert repeat_work_share(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 1.0, 0.5) == 0.0
 
 
 def test_the_sweep_replays_repeats_and_each_rate_has_its_own_fresh_texts() -> None:

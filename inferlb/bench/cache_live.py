@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from .cache_report import CachePlan, cache_counts, hit_ratio, latency_figures, meets
+from .cache_report import CachePlan, cache_counts, hit_ratio, latency_figures, meets, repeat_work_share
 from .capacity import theoretical_capacity_rps
 from .dataplanes import EXT_PROC_CACHE_ENV, DataPlanePlan
 from .fair_live import with_ext_proc_env
@@ -133,9 +133,13 @@ class CacheRunner(ScenarioRunner):
             group.check_alive()
             after = cache_counts((await client.get(metrics_url)).text)
             s = outcome.histogram.summary()
+            measured = trace.window(plan.warmup_s)
+            fleet = self.scenario.fleet
+            share = repeat_work_share(trace.tokens[measured], trace.repeat_of[measured], fleet.fixed_s,
+                                      fleet.per_token_s)
             point = {"load": load, "rps": round(rps, 2), "sent": outcome.sent, "completed": outcome.completed,
                      "errors": outcome.errors, "timeouts": outcome.timeouts, "p50_s": round(s.p50_s, 4),
-                     "p99_s": round(s.p99_s, 4), "hit_ratio": hit_ratio(before, after),
+                     "p99_s": round(s.p99_s, 4), "hit_ratio": hit_ratio(before, after), "repeat_work_share": share,
                      "statuses": {str(k): v for k, v in sorted(outcome.statuses.items())},
                      "client_cpu_s": round(outcome.client_cpu_s, 2), "send_lag_p99_s": round(outcome.send_lag_p99_s, 4)}
             points.append(point)

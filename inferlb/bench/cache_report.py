@@ -128,6 +128,14 @@ def slo_crossing(points: Sequence[Mapping[str, Any]], slo_s: float) -> float:
     return lo["rps"] + (hi["rps"] - lo["rps"]) * (slo_s - lo["p99_s"]) / (hi["p99_s"] - lo["p99_s"])
 
 
+def repeat_work_share(tokens: np.ndarray, repeat_of: np.ndarray, fixed_s: float, per_token_s: float) -> float:
+    """The repeats' share of the cost model's work: what an exact-match cache can take off the workers at
+    most (its throughput ceiling is ``1 / (1 - share)``, before the hits' own cost)."""
+    cost = fixed_s + per_token_s * np.asarray(tokens, dtype=np.float64)
+    total = float(cost.sum())
+    return round(float(cost[np.asarray(repeat_of) >= 0].sum()) / total, 4) if total > 0 else 0.0
+
+
 def latency_figures(latencies_s: Sequence[float], caches: Sequence[str | None]) -> dict[str, Any]:
     """The closed-loop series: how many answers said hit, and the hits' latency percentiles."""
     hits = np.array([t for t, c in zip(latencies_s, caches) if c == HIT], dtype=np.float64)
@@ -176,6 +184,11 @@ def render(report: Mapping[str, Any]) -> str:
         rps = (on.get(load) or off[load])["rps"]
         lines.append(f"  {load:>6.2f} {rps:>7.1f} | {cells(off.get(load), False)} | {cells(on.get(load), True)}")
     ratio = f"{v['ratio']:.2f}x" if v["ratio"] is not None else "n/a"
+    shares = [p["repeat_work_share"] for p in report["on"]["sweep"] if p.get("repeat_work_share") is not None]
+    if shares:
+        share = sum(shares) / len(shares)
+        lines.append(f"  the repeats carry {share:.1%} of the work (the cost model's), so an exact-match cache's "
+                     f"ceiling is {1 / (1 - share):.2f}x")
     lines.append(f"  throughput at the SLO: off {v['throughput_off_rps']:.1f} req/s, on {v['throughput_on_rps']:.1f} "
                  f"req/s = {ratio} (target >= {v['ratio_target']:g}x): {'met' if v['ratio_met'] else 'NOT MET'}")
     if v.get("crossing_ratio") is not None:

@@ -15,10 +15,15 @@ Lengths: a bucket is chosen by its share, then the token count (including
 [CLS] and [SEP]) uniformly in ``[min_tokens, max_tokens]``.
 
 Repeats (``workload.repeat_rate`` > 0): exactly ``round(repeat_rate * n)``
-requests (never the first) repeat an earlier request's text: the one of
-popularity rank ``k`` among the first ``repeat_pool`` fresh requests, ``k``
-drawn Zipf(``repeat_zipf_s``) over the ranks already sent. A repeat takes its
-source's length; ``repeat_of`` says which request that is (-1: fresh).
+requests repeat an earlier request's text, each within its own length bucket:
+the text of popularity rank ``k`` among that bucket's first fresh requests (its
+share of ``repeat_pool``), ``k`` drawn Zipf(``repeat_zipf_s``) over the ranks
+already sent. The repeats are spread over the buckets in proportion to their
+requests, so the knob leaves the bucket sequence, and so the cost mix, as it
+was: a 30% repeat rate is 30% of the requests and about 30% of the work. (Drawn
+across buckets, a seed whose most popular text happened to be short repeated a
+quarter of the work, and one whose head was long almost half.) A repeat takes
+its source's length; ``repeat_of`` says which request that is (-1: fresh).
 """
 
 from __future__ import annotations
@@ -96,10 +101,9 @@ def build_trace(workload: Workload, rate_rps: float, duration_s: float, seed: in
     else:
         raise ValueError(f"workload.arrival must be 'poisson' or 'bursty', got {workload.arrival!r}")
     bucket, tokens = _lengths(lengths_rng, workload, send_at.size)
-    repeat_of = _repeats(repeats_rng, workload, send_at.size)
+    repeat_of = _repeats(repeats_rng, workload, bucket)
     repeats = repeat_of >= 0
     tokens[repeats] = tokens[repeat_of[repeats]]
-    bucket[repeats] = bucket[repeat_of[repeats]]
     return Trace(send_at, tokens, bucket, float(rate_rps), float(duration_s), int(seed), repeat_of)
 
 
@@ -162,24 +166,53 @@ def _lengths(rng: np.random.Generator, workload: Workload, n: int) -> tuple[np.n
     return bucket, tokens
 
 
-def _repeats(rng: np.random.Generator, workload: Workload, n: int) -> np.ndarray:
+def _repeats(rng: np.random.Generator, workload: Workload, bucket: np.ndarray) -> np.ndarray:
     """Per request, the index of the fresh request it repeats, or -1 (see the module's docstring).
 
-    The repeats' count is exact (``round(repeat_rate * n)``, chosen without replacement among
-    requests 1..n-1), so a bench's hit share does not wobble with the seed. Rank ``k`` (0-based)
-    is the ``k``-th fresh request; a repeat at ``i`` draws over the ranks sent before ``i`` only,
-    by inverting the Zipf weights' cumulative sum truncated there.
+    The repeats' count is exact (``round(repeat_rate * n)``), so a bench's hit share does not wobble
+    with the seed; it is shared out over the buckets by their request counts (largest remainder),
+    and each bucket's repeats are chosen without replacement among its requests after its first.
     """
+    n = bucket.size
     repeat_of = np.full(n, -1, dtype=np.int64)
-    count = min(int(round(workload.repeat_rate * n)), n - 1)
-    if count <= 0:
-        return repeat_of
-    chosen = np.sort(rng.choice(np.arange(1, n), size=count, replace=False))
-    fresh = np.ones(n, dtype=bool)
+    members = [np.flatnonzero(bucket == b) for b in range(len(workload.mix))]
+    counts = _apportion(int(round(workload.repeat_rate * n)), [m.size - 1 if m.size else 0 for m in members])
+    shares = np.array([b.share for b in workload.mix], dtype=np.float64)
+    for b, (idx, count) in enumerate(zip(members, counts)):
+        if count > 0:
+            pool = max(1, int(round(workload.repeat_pool * shares[b] / shares.sum())))
+            repeat_of[idx] = _repeats_within(rng, count, pool, workload.repeat_zipf_s, idx)
+    return repeat_of
+
+
+def _apportion(total: int, capacity: list[int]) -> list[int]:
+    """``total`` split in proportion to ``capacity`` (largest remainder), none over its capacity."""
+    room = sum(capacity)
+    total = min(total, room)
+    if total <= 0:
+        return [0] * len(capacity)
+    exact = [total * c / room for c in capacity]
+    out = [int(e) for e in exact]
+    for i in sorted(range(len(capacity)), key=lambda i: exact[i] - out[i], reverse=True)[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _repeats_within(rng: np.random.Generator, count: int, pool: int, zipf_s: float,
+                    idx: np.ndarray) -> np.ndarray:
+    """One bucket's ``repeat_of`` over its requests ``idx`` (trace indices, in send order).
+
+    Rank ``k`` (0-based) is the bucket's ``k``-th fresh request; a repeat draws over the ranks sent
+    before it only, by inverting the Zipf weights' cumulative sum truncated there.
+    """
+    m = idx.size
+    out = np.full(m, -1, dtype=np.int64)
+    chosen = np.sort(rng.choice(np.arange(1, m), size=count, replace=False))
+    fresh = np.ones(m, dtype=bool)
     fresh[chosen] = False
     fresh_index = np.flatnonzero(fresh)
-    available = np.minimum(np.cumsum(fresh)[chosen], workload.repeat_pool)  # ranks sent before each repeat
-    weights = np.cumsum(np.arange(1, workload.repeat_pool + 1, dtype=np.float64) ** -workload.repeat_zipf_s)
+    available = np.minimum(np.cumsum(fresh)[chosen], pool)  # ranks sent before each repeat
+    weights = np.cumsum(np.arange(1, pool + 1, dtype=np.float64) ** -zipf_s)
     rank = np.searchsorted(weights, rng.random(count) * weights[available - 1], side="right")
-    repeat_of[chosen] = fresh_index[np.minimum(rank, available - 1)]
-    return repeat_of
+    out[chosen] = idx[fresh_index[np.minimum(rank, available - 1)]]
+    return out
