@@ -39,8 +39,8 @@ def point(load: float, p99_ms: float, errors: int = 0, timeouts: int = 0, comple
 
 def test_the_sweeps_loads_rise_geometrically_within_bounds() -> None:
     loads = CachePlan().loads()
-    assert loads[0] == 0.6 and loads[-1] <= 2.0 and len(loads) == 25
-    assert all(b / a == pytest.approx(1.05, rel=1e-3) for a, b in zip(loads, loads[1:]))
+    assert loads[0] == 0.8 and loads[-1] <= 2.0 and len(loads) == 31
+    assert all(b / a == pytest.approx(1.03, rel=1e-3) for a, b in zip(loads, loads[1:]))
     assert CachePlan(load_min=1.0, load_max=1.0).loads() == (1.0,)
     assert len(CachePlan(load_min=0.01, load_max=2.0, load_step=1.0001).loads()) == 40  # bounded
 
