@@ -1,5 +1,5 @@
 """The gateway cache's shared level on a real redis-server (tests/redis_server.py): an answer stored through one
-ext_proc servicer is a hit at another (its own in-process level empty), the byte budget drops the oldest entries,
+ext_proc servicer is a hit at another (its own in-process level empty), the byte budget drops the least recently used entries,
 entries expire with the TTL, and a Redis that does not answer is a miss, never a failed request."""
 
 from __future__ import annotations
@@ -55,17 +55,23 @@ def test_an_answer_stored_by_one_replica_is_a_hit_at_another(counter: TokenCount
     asyncio.run(scenario())
 
 
-def test_the_byte_budget_drops_the_oldest_and_entries_expire(redis_url: str,
-                                                            redis_server: "RedisServer") -> None:
+def test_the_byte_budget_drops_the_least_recently_used_and_entries_expire(redis_url: str,
+                                                                         redis_server: "RedisServer") -> None:
     async def scenario() -> None:
         answer = CachedResponse(b"x" * 1000, "application/json", INT8)
         cache = shared(redis_url, max_bytes=3500)
         try:
             for key in (b"a", b"b", b"c"):
                 assert (await cache.put(key, answer)) == ((1000 + 2 + len(INT8) + 16) * (ord(key) - 96), 0)
+            assert await cache.get(b"a") == answer  # a hit: "a" is now the most recently used, "b" the least
             held, evicted = await cache.put(b"d", answer)  # type: ignore[misc]
             assert evicted == 1 and held <= 3500
-            assert await cache.get(b"a") is None and await cache.get(b"d") == answer
+            assert await cache.get(b"b") is None
+            assert await cache.get(b"a") == answer and await cache.get(b"d") == answer
+            held, evicted = await cache.put(b"e", answer)  # type: ignore[misc]
+            assert evicted == 1 and await cache.get(b"c") is None and await cache.get(b"a") == answer
+            await cache.put(b"a", answer)  # a store again replaces, never counts twice
+            assert int(redis_server.command("ZCARD", "inferlb:cache:lru")[1:]) == 3  # a, d, e
         finally:
             await cache.aclose()
         short = shared(redis_url, ttl_s=30)
