@@ -113,8 +113,9 @@ class ExtProcConfig(BaseSettings):
     cache_max_entry_bytes: int = Field(1 * MIB, ge=1024)
     cache_per_tenant: bool = False
     # "memory": in process only. A redis://, rediss:// or unix:// URL (the quotas' server): a shared level
-    # behind it, for hits across replicas, holding at most cache_store_max_bytes (least recently used out first; its keys
-    # expire after cache_ttl_s); Redis slower than cache_store_timeout_ms is a miss, never a failure.
+    # behind it, for hits across replicas, holding at most cache_store_max_bytes (least recently used out
+    # first; its keys expire after cache_ttl_s); Redis slower than cache_store_timeout_ms is a miss, never a
+    # failure.
     cache_store: str = "memory"
     cache_store_max_bytes: int = Field(256 * MIB, ge=1024)
     cache_store_timeout_ms: int = Field(50, ge=1, le=10_000)
