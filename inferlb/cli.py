@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "workers", None) is not None and args.workers < 1:
-        print("inferlb up: --workers must be >= 1", file=sys.stderr)
+        command = " ".join(c for c in ("inferlb", args.command, getattr(args, "bench_command", None)) if c)
+        print(f"{command}: --workers must be >= 1", file=sys.stderr)
         return 2
     return int(args.func(args))
 

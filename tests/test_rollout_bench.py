@@ -50,7 +50,7 @@ def test_a_tiny_run_counts_the_canary_and_times_a_switch_and_its_rollback(out: P
     (["--canary-percent", "0"], "--canary-percent must be in (0, 100)"),
     (["--canary-percent", "100"], "--canary-percent must be in (0, 100)"),
     (["--requests", "0"], "--requests must be >= 1"),
-    (["--workers", "0"], "--workers must be >= 1"),
+    (["--workers", "0"], "inferlb bench rollout: --workers must be >= 1"),
 ])
 def test_bad_arguments_are_refused_saying_why(flags: list[str], message: str) -> None:
     done = rollout(*flags, timeout=60)
