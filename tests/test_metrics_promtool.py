@@ -4,45 +4,25 @@ per-model, per-tenant and per-pool families are there too."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-from pathlib import Path
+from typing import Iterator
 
 import pytest
 
 from .conftest import WorkerProcess
-from .stack import Gateway, http, running_gateway
+from .exposition import exercised_gateway, run_promtool, scrape
+from .stack import Gateway, http
 
 pytestmark = pytest.mark.slow
 
-MODELS = "all-MiniLM-L6-v2-int8,all-MiniLM-L6-v2-fp32"
-
 
 def promtool(text: str) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("promtool")
-    assert binary, "promtool not found: make test installs Debian's prometheus package"
-    return subprocess.run([binary, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
-
-
-def scrape(url: str) -> str:
-    with http() as client:
-        response = client.get(url)
-    assert response.status_code == 200, response.text
-    return response.text
+    return run_promtool("check", "metrics", stdin=text)
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Gateway:
-    with running_gateway(tmp_path_factory.mktemp("promtool"), workers=2,
-                         worker_args=("--models", MODELS), name="promtool",
-                         ext_proc_env={"INFERLB_EXT_PROC_CACHE_MAX_BYTES": str(1 << 20)}) as gw:
-        with http() as client:
-            # fp32 twice: a gateway-cache miss, then a hit.
-            for model in ("all-MiniLM-L6-v2-fp32", "all-MiniLM-L6-v2-fp32", "all-MiniLM-L6-v2", "no-such-model",
-                          None):
-                body = {"input": "count me"} | ({"model": model} if model else {})
-                client.post(gw.url(), json=body)
-            client.get(gw.url("/v1/models"))
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    with exercised_gateway(tmp_path_factory.mktemp("promtool"), "promtool") as gw:
         yield gw
 
 
