@@ -105,6 +105,7 @@ from .api_models import (
 from .auth import AdminToken, bearer, is_loopback
 from .config import parse_endpoint
 from .controller import Controller
+from .dashboard import dashboard_router
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState, Health, PickPolicySpec, Telemetry
 from .nginx.applier import NginxApplier
@@ -302,8 +303,10 @@ class AdminService:
         # Every rollout with its previous split, by alias: what the store holds (the state has the current
         # splits only). Read from the store when first needed (None until then), kept up to date after.
         self._rollouts: dict[str, StoredRollout] | None = None
+        self.closing = asyncio.Event()  # set by stop: long-lived responses (the dashboard's feed) end
 
     async def stop(self) -> None:
+        self.closing.set()
         tasks = list(self._removals.values())
         for task in tasks:
             task.cancel()
@@ -877,6 +880,7 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
 
     read = [Depends(reader)]
     write = [Depends(writer)]
+    app.include_router(dashboard_router(service, read))  # /dashboard: the page and its live feed
 
     @app.get("/v1/endpoints", response_model=EndpointList, dependencies=read, tags=["endpoints"],
              summary="Every endpoint: source, health, drain state, weights and latest telemetry",
