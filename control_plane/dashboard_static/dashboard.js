@@ -191,6 +191,8 @@
     canvas.dataset.columns = String(points.length);
     $("heat-labels").replaceChildren(...ids.map((id) => {
       const label = el("div", id);
+      label.dataset.endpoint = id;
+      label.dataset.total = points.reduce((sum, p) => sum + (p.picks[id] || 0), 0).toFixed(3);
       label.style.height = `${rowH}px`;  // CSSOM, allowed by the CSP (style-src governs markup, not this)
       return label;
     }));
