@@ -217,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         # Refuse a bad policy up front.
         WeightPolicyRegistry(config.policy_allowlist).make(config.weight_policy, config.weight_params)
+        config.data_plane.settings()  # and a bad OTEL_* variable (Envoy's tracing comes from them)
     except (ValidationError, ValueError, OSError) as exc:
         print(f"python -m control_plane: invalid configuration:\n{exc}", file=sys.stderr)
         return 2

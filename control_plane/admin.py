@@ -63,6 +63,7 @@ from inferlb_runtime.api_keys import KEY_PREFIX, TENANT_PATTERN, Quota, hash_key
 from inferlb_runtime.model_routing import MODEL_NAME_PATTERN, Rollout
 from inferlb_runtime.request_class import PRIORITIES
 from inferlb_runtime.plugins import PolicyAllowlist
+from inferlb_runtime.request_context import RequestContextMiddleware
 from inferlb_runtime.supervision import Supervised
 
 from . import pick_catalogue
@@ -818,6 +819,10 @@ def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, servi
             except ApiError as exc:
                 return error_response(exc.status, exc.code, exc.message, exc.detail, exc.headers)
         return await call_next(request)
+
+    # Outermost (added after the token check): every answer, a 401 too, carries the request's id
+    # (x-request-id as sent, else a fresh one), and so do the log lines written for it.
+    app.add_middleware(RequestContextMiddleware, generate_id=True, echo_id=True)
 
     # The same checks as dependencies: they document the bearer scheme in /openapi.json (and /docs).
     async def writer(request: Request, _: Credentials) -> None:

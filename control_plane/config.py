@@ -23,10 +23,11 @@ from inferlb_runtime.model_routing import POOL_PATTERN
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.settings import PolicyModules, load_layered
 from inferlb_runtime.tls import all_or_none
+from inferlb_runtime.tracing import TracingConfig
 
 from .auth import is_loopback
 from .autoscale import AutoscaleSettings
-from .model import DataPlaneSettings, ExtProcSettings
+from .model import DataPlaneSettings, EnvoyTracing, ExtProcSettings
 from .nginx.config import NginxConfig
 
 
@@ -79,8 +80,11 @@ class DataPlaneConfig(BaseModel):
                 raise ValueError(f"{name} must be an absolute path (Envoy reads it on its own host), got {value!r}")
         return self
 
-    def settings(self) -> DataPlaneSettings:
+    def settings(self, env: Mapping[str, str] | None = None) -> DataPlaneSettings:
+        """The resources' settings; Envoy traces when ``env`` (the process's environment unless given) turns
+        OpenTelemetry on, to the same collector (ValueError for a bad OTEL_* variable)."""
         return DataPlaneSettings(
+            tracing=envoy_tracing(os.environ if env is None else env),
             listener_address=self.listener_address,
             listener_port=self.listener_port,
             listener_tls_cert=self.listener_tls_cert,
@@ -100,6 +104,18 @@ class DataPlaneConfig(BaseModel):
             slow_start_window_s=self.slow_start_window_s,
             ext_proc_node_cluster=self.ext_proc_node_cluster,
         )
+
+
+def envoy_tracing(env: Mapping[str, str]) -> EnvoyTracing | None:
+    """Envoy's tracer from the OTEL_* variables (None: off). Envoy's exporter here is plaintext gRPC."""
+    config = TracingConfig.from_env(env, EnvoyTracing.service_name)
+    if config is None:
+        return None
+    if not config.endpoint.startswith("http://"):
+        raise ValueError(f"OTLP endpoint {config.endpoint!r}: Envoy's tracer is configured for plaintext OTLP/gRPC "
+                         "(http://host:port) only; put a collector without TLS next to Envoy")
+    address, port = config.collector
+    return EnvoyTracing(address, port, sampling_percent=config.sampling_percent)
 
 
 # The node cluster of the Envoys (envoy/bootstrap.yaml's default, `inferlb up`, Compose, Kubernetes).

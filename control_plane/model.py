@@ -119,6 +119,17 @@ class ExtProcSettings:
 
 
 @dataclass(frozen=True)
+class EnvoyTracing:
+    """Envoy's OpenTelemetry tracer: where it sends spans (OTLP/gRPC, plaintext) and how many requests it
+    samples. From the control plane's standard OTEL_* variables (docs/tracing.md); None: Envoy does not trace."""
+
+    collector_address: str
+    collector_port: int
+    service_name: str = "inferlb-envoy"
+    sampling_percent: float = 100.0
+
+
+@dataclass(frozen=True)
 class DataPlaneSettings:
     """Everything about Envoy's resources that is not an endpoint."""
 
@@ -155,6 +166,8 @@ class DataPlaneSettings:
     # xDS node cluster (= node group) of ext_proc: its snapshot carries the rich EDS
     # (telemetry and pick-policy metadata); every other group gets the lean one.
     ext_proc_node_cluster: str = "inferlb-ext-proc"
+    tracing: EnvoyTracing | None = None  # and the collector's cluster "opentelemetry_collector"
+    tracing_cluster: str = "opentelemetry_collector"
 
 
 @dataclass(frozen=True)

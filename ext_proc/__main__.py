@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import logging.config
+import os
 import signal
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from inferlb_runtime.http import EmbeddedServer
 from inferlb_runtime.logs import configure_json_logging
 from inferlb_runtime.pick_chain import PRESETS
 from inferlb_runtime.tls import PemFiles, load_pem_files
+from inferlb_runtime.tracing import Tracing, TracingConfig, start_tracing
 
 from .config import ExtProcConfig, load_config
 from .fair_queue import GateSettings
@@ -54,7 +56,7 @@ def xds_tls(config: ExtProcConfig) -> PemFiles | None:
                           settings=("xds_tls_cert", "xds_tls_key", "xds_tls_ca"))
 
 
-async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
+async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | None = None) -> None:
     counter = await asyncio.to_thread(TokenCounter.from_package, inline_body_bytes=config.inline_count_bytes)
     holder: list[ExtProcServicer] = []
     metrics = ExtProcMetrics(lambda: holder[0].live_state() if holder else LiveState())
@@ -82,7 +84,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
                                                 max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,
                                                 aging_s=config.fair_queue_aging_s)),
         xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params), config.policy_allowlist,
-        quotas, shared_cache)
+        quotas, shared_cache, tracing)
     holder.append(servicer)
     health = HealthReporter(xds)
     grpc_server = await serve_grpc(servicer, health, config.grpc_target, config.grpc_max_message_bytes,
@@ -114,7 +116,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
         "node_id": config.node_id,
         "node_cluster": config.node_cluster, "pick_policy": config.pick_policy,
         "require_api_keys": config.require_api_keys, "quota_store": redacted_url(config.quota_store),
-        "cache_store": redacted_url(config.cache_store),
+        "cache_store": redacted_url(config.cache_store), "tracing": tracing is not None,
     })
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
@@ -134,6 +136,8 @@ async def run(config: ExtProcConfig, tls: PemFiles | None) -> None:
         http.should_exit = True
     stopper.cancel()
     await asyncio.gather(stopper, *tasks, return_exceptions=True)
+    if tracing is not None:  # the last spans, off the loop (the flush waits on the collector)
+        await asyncio.to_thread(tracing.shutdown)
     log.info("stopped")
 
 
@@ -150,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=f"Pick policies: {policies}. Each is a chain of admit, filter, scorer and picker plugins; its "
                "'admit', 'filters' and 'scorers' params add plugins (README: Write your own policy). The control "
-               "plane's EDS may switch it at run time.",
+               "plane's EDS may switch it at run time. Tracing: off unless the standard OTEL_* variables turn it on "
+               "(e.g. OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317; docs/tracing.md).",
     )
     p.add_argument("--config", type=Path, help="TOML file with an [ext_proc] table")
     p.add_argument("--port", type=int, help="ExternalProcessor + grpc.health.v1 port (default 9002)")
@@ -187,11 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                       config.pick_params)  # refuse a bad policy up front
         packaged_tokenizer_path()  # and a missing model package (tokens are counted with its tokenizer)
         tls = xds_tls(config)  # and unusable TLS files (TlsConfigError is a ValueError)
+        tracing_config = TracingConfig.from_env(os.environ, "inferlb-ext-proc")  # OTEL_*: off unless set
     except (ValidationError, ValueError, OSError) as exc:
         print(f"python -m ext_proc: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     configure_json_logging("ext_proc", config.log_level)
-    run_loop(run(config, tls), config.event_loop)
+    run_loop(run(config, tls, start_tracing(tracing_config)), config.event_loop)
     return 0
 
 

@@ -78,10 +78,13 @@ import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import duration_pb2
+from opentelemetry import trace
 
+from inferlb_runtime.logs import bind_request
 from inferlb_runtime.model_routing import MODEL_HEADER
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.request_class import OBJECTIVE_HEADER, BadRequestHeader, Priority, parse_budget_s, parse_priority
+from inferlb_runtime.tracing import REQUEST_ID_HEADER, Tracing, trace_id_of
 
 from . import wire
 from .cache_key import cacheable_request, directives, request_key
@@ -98,6 +101,7 @@ from .registry import PluginRegistry
 from .response_cache import CachedResponse, ResponseCache
 from .response_cache_redis import RedisResponseCache
 from .routing import Router
+from .spans import start_span
 from .tokens import TokenCounter
 from .wire import PREDICTED_HEADER, PROCESS_METHOD, SERVICE_NAME, TOKENS_HEADER
 from .xds_client import FleetView, PickPolicySpec, ViewSource
@@ -138,11 +142,12 @@ def _serialize(response: bytes | pb.ProcessingResponse) -> bytes:
 
 
 class _Stream:
-    """The state of one HTTP request's ext_proc stream."""
+    """The state of one HTTP request's ext_proc stream; bound as the request of the log lines written for it
+    (``request_id`` and ``trace_id`` are read only when a line is written)."""
 
     __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s", "priority", "deadline",
                  "caller", "quota", "forwarded", "outcome", "mutation", "started", "version", "decided",
-                 "cache_key", "cache_version", "resolved", "filling")
+                 "cache_key", "cache_version", "resolved", "filling", "span")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -166,6 +171,15 @@ class _Stream:
         self.cache_version: str | None = None  # the version the key names (None: a bare alias, or no model)
         self.resolved: object = None  # the catalogue its model was resolved against before the decision
         self.filling: tuple[str, str] | None = None  # (content-type, version) of the answer being stored
+        self.span: trace.Span | None = None  # its trace span, while tracing is on (spans.py)
+
+    @property
+    def request_id(self) -> str | None:
+        return self.headers.get(REQUEST_ID_HEADER)  # Envoy's x-request-id
+
+    @property
+    def trace_id(self) -> str | None:
+        return trace_id_of(self.span) if self.span is not None else None
 
 
 class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
@@ -177,8 +191,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, settings: ServiceSettings, source: ViewSource, counter: TokenCounter, router: Router,
                  metrics: ExtProcMetrics, policy_spec: PickPolicySpec | None = None,
-                 quotas: QuotaStore | None = None, shared_cache: RedisResponseCache | None = None) -> None:
+                 quotas: QuotaStore | None = None, shared_cache: RedisResponseCache | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.settings = settings
+        self.tracing = tracing  # None: tracing off, and a stream costs one test of it
         self.source = source
         self.counter = counter
         self.router = router
@@ -226,13 +242,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
     def create(cls, settings: ServiceSettings, source: ViewSource, metrics: ExtProcMetrics,
                counter: TokenCounter, default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
                allow: PolicyAllowlist = PolicyAllowlist(), quotas: QuotaStore | None = None,
-               shared_cache: RedisResponseCache | None = None) -> "ExtProcServicer":
+               shared_cache: RedisResponseCache | None = None, tracing: Tracing | None = None) -> "ExtProcServicer":
         """The servicer with a fresh router (``default_policy`` until EDS names one; a bad default raises
         ValueError here, at start-up). Only built-ins, entry points and specs under ``allow``'s module
         prefixes are loaded, whatever EDS names."""
         registry = PluginRegistry.with_slow_start(settings.slow_start_s, allow, metrics.policy_failure)
         router = Router(registry, default_policy.name, dict(default_policy.params))
-        return cls(settings, source, counter, router, metrics, default_policy, quotas, shared_cache)
+        return cls(settings, source, counter, router, metrics, default_policy, quotas, shared_cache, tracing)
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Register the ExternalProcessor service on raw bytes (this servicer parses and serialises)."""
@@ -298,6 +314,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                       context: grpc.aio.ServicerContext | None) -> AsyncIterator[bytes]:
         """One stream: ProcessingRequests (serialised, or messages) in, serialised ProcessingResponses out."""
         stream = _Stream(next(self._keys))
+        bind_request(stream)  # this stream's task (and what it starts) logs as this request
+        tracing = self.tracing
         self.active_streams += 1
         how = "early"  # the stream ended (cancelled, reset, closed) before the response headers
         parse = pb.ProcessingRequest.FromString
@@ -342,6 +360,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                             continue
                     yield self._decide(stream, counted, False)
                 elif kind == "request_headers":
+                    if tracing is not None:
+                        stream.span = start_span(tracing, context, request.request_headers)
                     answer = self._on_request_headers(stream, request.request_headers, raw)
                     if answer is None:  # no body (GET): decide now (never queued: it costs nothing)
                         counted = await self._count_and_check(stream, b"")
@@ -358,12 +378,18 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     return  # the body was the last thing asked for
                 else:
                     yield wire.PASS_THROUGH.get(kind or "", wire.CONTINUE_HEADERS)
-        except Exception:
+        except Exception as exc:
             how = "error"
             log.exception("ext_proc stream failed", extra={"endpoint": stream.pick})
+            if stream.span is not None:
+                stream.span.record_exception(exc)
+                stream.span.set_status(trace.StatusCode.ERROR)
             raise
         finally:  # also on CancelledError and GeneratorExit: Envoy reset or closed the stream
             self.active_streams -= 1
+            if stream.span is not None:  # ending only queues it: the SDK's thread exports
+                stream.span.set_attributes({"inferlb.outcome": stream.outcome, "inferlb.ended": how})
+                stream.span.end()
             if self.router.release(stream.key):  # idempotent: only a first release counts
                 self.metrics.count("released", how)
                 if self.gate is not None:
@@ -486,6 +512,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         else:
             request = self.counter.count(body, stream.headers)
         stream.tokens = request.tokens
+        if stream.span is not None:
+            stream.span.set_attributes({"inferlb.tokens": request.tokens,
+                                        "inferlb.tokens_estimated": request.estimated,
+                                        "inferlb.tenant": stream.caller.tenant})
         if not stream.caller.quota.unlimited:
             waited = time.perf_counter()
             refused = await self._check_quota(stream, request.tokens)
@@ -602,10 +632,14 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         stream.cache_key, stream.cache_version = key, resolved.version
         if asked.no_cache:
             self.metrics.cache_request("memory", "bypass")
+            if stream.span is not None:
+                stream.span.set_attribute("inferlb.cache", "bypass")
             return resolved
         assert self.cache is not None
         hit = self.cache.get(key)
         self.metrics.cache_request("memory", "hit" if hit is not None else "miss")
+        if stream.span is not None:
+            stream.span.set_attribute("inferlb.cache", "hit" if hit is not None else "miss")
         if hit is None and self.shared_cache is not None:
             hit = await self.shared_cache.get(key)
             if hit is not None and hit.version not in view.catalogue.versions:
@@ -678,6 +712,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.metrics.model_decision(self._model_label(decision.version))
         if request.budget_s is not None:
             self.metrics.count("deadlines", "met" if decision.completion_s <= request.budget_s else "missed")
+        if stream.span is not None:
+            stream.span.set_attributes({
+                "inferlb.pick.endpoint": stream.pick, "inferlb.pick.ranked": value,
+                "inferlb.pick.policy": decision.policy, "inferlb.pick.evaluated": decision.evaluated,
+                "inferlb.predicted_ms": round(decision.predicted_s * 1000, 3),
+                "inferlb.completion_ms": round(decision.completion_s * 1000, 3),
+                "inferlb.model.version": decision.version or ""})
         if log.isEnabledFor(logging.DEBUG):
             log.debug("decision", extra={"pick": value, "tokens": request.tokens, "estimated": request.estimated,
                                          "predicted_ms": round(decision.predicted_s * 1000, 3),
@@ -691,6 +732,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         headers = wire.response_headers_of(request.response_headers)
         status = headers.get(":status", "")
         stream.outcome = "served" if status.startswith("2") else "failed"
+        if stream.span is not None:
+            stream.span.set_attribute("http.response.status_code", int(status) if status.isdigit() else 0)
         limits = self._limit_entries(stream.quota)
         stream.filling = fill = self._fillable(stream, headers, status)
         read_body = fill is not None
@@ -700,8 +743,13 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.metrics.count("responses", f"{status[:1]}xx" if status else "unknown")
         served = self._model_label(headers.get(MODEL_HEADER) or stream.version)  # the version that served
         self.metrics.model_answer(served, status, time.perf_counter() - stream.decided)
-        if status.startswith("2"):
-            self._learn(stream, served_by, headers, served if served != OTHER_MODEL else None)
+        learned = self._learn(stream, served_by, headers, served if served != OTHER_MODEL else None) \
+            if status.startswith("2") else None
+        if stream.span is not None:
+            stream.span.set_attributes({"inferlb.served_by": served_by,
+                                        "inferlb.response_ms": round((time.perf_counter() - stream.decided) * 1000, 3)})
+            if learned is not None and learned.seconds is not None:  # what the prediction was for
+                stream.span.set_attribute("inferlb.actual_ms", round(learned.seconds * 1000, 3))
         if self.router.release(stream.key):
             self.metrics.count("released", "response")
             if self.gate is not None:
@@ -715,9 +763,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         """OpenAI's x-ratelimit-* headers as the quota check left them (none for a caller without a quota)."""
         return wire.header_entries(rate_limit_headers(outcome)) if outcome is not None else b""
 
-    def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str], model: str | None) -> None:
+    def _learn(self, stream: _Stream, endpoint: str, headers: Mapping[str, str], model: str | None) -> wire.Learned:
         """Teach the router what the worker's answer says (its compute time for ``model``, the version that
-        served, and its load report)."""
+        served, and its load report); what it said."""
         learned = wire.read_response(headers)
         if learned.unparsed:
             for what in learned.unparsed:
@@ -725,6 +773,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         predicted = stream.predicted_s if endpoint == stream.pick else None
         tokens = learned.tokens if learned.tokens is not None else stream.tokens
         self.router.learn(endpoint, tokens, learned.seconds, predicted, learned.orca, model)
+        return learned
 
     # -- metrics ----------------------------------------------------------
     def live_state(self) -> LiveState:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
+
+from inferlb_runtime.tracing import TracingConfig, start_tracing
 
 from .config import WorkerConfig, load_config
 from .model_catalog import KNOWN_VERSIONS, ModelInfo
@@ -31,7 +34,9 @@ def _serve_parser() -> argparse.ArgumentParser:
             "Serve all-MiniLM-L6-v2 embeddings over an OpenAI-compatible API with micro-batching, "
             "Prometheus metrics and ORCA load reports. Settings come from --config FILE ([worker] table), "
             "then INFERLB_WORKER_<NAME> environment variables, then these flags.\n\n"
-            "Run 'python -m workers prepare' first (or 'make model') to build the ONNX models."
+            "Run 'python -m workers prepare' first (or 'make model') to build the ONNX models.\n\n"
+            "Tracing: off unless the standard OTEL_* variables turn it on (e.g. OTEL_EXPORTER_OTLP_ENDPOINT="
+            "http://collector:4317); every log line of a request carries its x-request-id (docs/tracing.md)."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -190,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.model_cost and not args.simulate:
             raise ValueError("--model-cost needs --simulate: a real model costs what it costs")
         model_costs = parse_model_costs(args.model_cost, config.served_models)
+        tracing_config = TracingConfig.from_env(os.environ, "inferlb-worker")  # OTEL_*: off unless set
     except (ValueError, OSError) as exc:
         print(f"python -m workers: {exc}", file=sys.stderr)
         return 2
@@ -198,13 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(config.log_level, component=f"worker:{config.port}")
     log.info("starting", extra={"host": config.host, "port": config.port, "models": list(config.served_models),
                                 "pool": config.pool, "threads": config.intra_op_threads, "simulate": args.simulate})
+    tracing = start_tracing(tracing_config)
     if simulation is not None:
         from .app import simulation_routes
 
         serve(config, build_simulated_service(config, simulation, args.sim_slots, model_costs),
-              simulation_routes(simulation))
+              simulation_routes(simulation), tracing)
     else:
-        serve(config, build_service(config))
+        serve(config, build_service(config), tracing=tracing)
     return 0
 
 

@@ -17,9 +17,13 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+
+from inferlb_runtime.request_context import RequestContextMiddleware
+from inferlb_runtime.tracing import Tracing
 
 from .protocol import APIError, error_body, models_response
 from .request_options import parse_request_options
@@ -87,10 +91,15 @@ def simulation_routes(simulation: Simulation) -> list[Route]:
     return [Route("/v1/simulation", simulation_state, methods=["GET", "PUT"])]
 
 
+TRACED_PATHS = ("/v1/embeddings",)  # the inference path; probes and /metrics are polled all the time
+
+
 def create_app(
-    service: EmbeddingService, *, manage_lifecycle: bool = True, extra_routes: list[Route] | None = None
+    service: EmbeddingService, *, manage_lifecycle: bool = True, extra_routes: list[Route] | None = None,
+    tracing: Tracing | None = None,
 ) -> Starlette:
-    """Build the app; with ``manage_lifecycle`` the lifespan starts and stops the service."""
+    """Build the app; with ``manage_lifecycle`` the lifespan starts and stops the service. Every request's
+    log lines carry its ``x-request-id``; with ``tracing``, each embeddings request is a span."""
 
     async def embeddings(request: Request) -> Response:
         if service.draining:
@@ -151,5 +160,6 @@ def create_app(
             *(extra_routes or []),
         ],
         exception_handlers={HTTPException: http_error},
+        middleware=[Middleware(RequestContextMiddleware, tracing=tracing, traced_paths=TRACED_PATHS)],
         lifespan=lifespan if manage_lifecycle else None,
     )

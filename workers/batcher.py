@@ -77,6 +77,8 @@ class _Item:
     priority: Priority
     started: float = 0.0
     finished: float = 0.0
+    batch: int = 0  # the batch it ran in (the batcher's sequence number) and that batch's size: for traces
+    batch_size: int = 0
 
 
 @dataclass(eq=False)
@@ -98,11 +100,13 @@ class _Request:
 
 @dataclass(frozen=True)
 class Embedded:
-    """Rows in input order, with the request's time queued and computing."""
+    """Rows in input order, with the request's time queued and computing, and the batches its inputs ran in
+    ((sequence number, inputs in the batch), for its trace span)."""
 
     vectors: np.ndarray
     queue_s: float
     compute_s: float
+    batches: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -165,6 +169,7 @@ class MicroBatcher:
     _busy: bool = False
     _running: asyncio.Future[None] | None = None  # done when the batch on the inference thread ends
     _running_items: frozenset[int] = frozenset()  # id() of that batch's items
+    _batches: int = 0  # batches run so far: the next one's sequence number, less one
     _order: QueueOrder = field(init=False)
 
     def __post_init__(self) -> None:
@@ -241,6 +246,7 @@ class MicroBatcher:
             vectors=np.stack(rows),
             queue_s=first_start - now,
             compute_s=max(item.finished for item in items) - first_start,
+            batches=tuple(sorted({(item.batch, item.batch_size) for item in items})),
         )
 
     def _withdraw(self, request: _Request) -> None:
@@ -370,8 +376,9 @@ class MicroBatcher:
         self.observer.batch_done(
             size=len(batch), tokens=sum(len(t) for t in tokens), padded_tokens=padded, seconds=seconds
         )
+        self._batches += 1
         for item, row in zip(batch, vectors):
-            item.finished = finished
+            item.finished, item.batch, item.batch_size = finished, self._batches, len(batch)
             if not item.future.done():
                 item.future.set_result(row)
 

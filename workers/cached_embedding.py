@@ -89,9 +89,10 @@ class CachedEmbedder:
             return await self._scheduler.embed(inputs, model=model, priority=priority, deadline=deadline)
         plan = self._plan([CacheKey.of(model, ids) for ids in inputs], policy, Priority(priority))
         self._counter.cache_results(hits=plan.hits, misses=len(plan.compute), coalesced=plan.coalesced)
-        timing = (0.0, 0.0)
+        computed = Embedded(vectors=np.empty(0), queue_s=0.0, compute_s=0.0)  # nothing computed (all hits)
         if plan.compute:
-            timing = await self._compute(plan, model, priority, deadline, policy)
+            computed = await self._compute(plan, model, priority, deadline, policy)
+        batches = computed.batches
         retry = []
         for index, future in plan.follow.items():
             row = await asyncio.shield(future)  # a follower leaving must not cancel the leader's future
@@ -103,7 +104,9 @@ class CachedEmbedder:
                                      deadline=deadline, policy=CacheDirectives(no_cache=True, no_store=policy.no_store))
             for index, row in zip(retry, again.vectors):
                 plan.rows[index] = row
-        return Embedded(vectors=np.stack(plan.rows), queue_s=timing[0], compute_s=timing[1])
+            batches = tuple(sorted({*batches, *again.batches}))
+        return Embedded(vectors=np.stack(plan.rows), queue_s=computed.queue_s, compute_s=computed.compute_s,
+                        batches=batches)
 
     def _plan(self, keys: list[CacheKey], policy: CacheDirectives, priority: Priority) -> _Plan:
         plan = _Plan(rows=[None] * len(keys), compute={}, follow={})
@@ -127,7 +130,7 @@ class CachedEmbedder:
         return plan
 
     async def _compute(self, plan: _Plan, model: str, priority: Priority, deadline: float | None,
-                       policy: CacheDirectives) -> tuple[float, float]:
+                       policy: CacheDirectives) -> Embedded:
         """Queue the plan's misses as one request; publish each result to its followers and the cache."""
         loop = asyncio.get_running_loop()
         led: dict[CacheKey, _Leader] = {}
@@ -149,7 +152,7 @@ class CachedEmbedder:
             if policy.store:
                 self._cache.put(key, row)
         self._release(led, dict(zip(plan.compute, result.vectors)))
-        return result.queue_s, result.compute_s
+        return result
 
     def _release(self, led: dict[CacheKey, _Leader], rows: dict[CacheKey, np.ndarray] | None) -> None:
         """Hand the led keys' rows to their followers (None: the leader failed; they compute it themselves)."""

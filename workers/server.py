@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
-import sys
 import threading
 from types import FrameType
 from typing import Iterator
 
 import uvicorn
-from pythonjsonlogger.json import JsonFormatter
 from starlette.routing import Route
+
+from inferlb_runtime.logs import configure_json_logging
+from inferlb_runtime.tracing import Tracing
 
 from .app import create_app
 from .config import WorkerConfig
@@ -26,22 +26,8 @@ from .service import EmbeddingService
 
 
 def configure_logging(level: str, component: str) -> None:
-    """One JSON object per line on stderr, for every logger including uvicorn's."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter(
-            "{asctime}{levelname}{name}{message}",
-            style="{",
-            rename_fields={"asctime": "ts", "levelname": "level", "name": "logger", "message": "msg"},
-            static_fields={"component": component},
-        )
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
-        logging.getLogger(name).handlers[:] = []
-        logging.getLogger(name).propagate = True
+    """One JSON object per line on stderr, for every logger including uvicorn's, with the request's id."""
+    configure_json_logging(component, level, quiet=())
 
 
 class DrainingServer(uvicorn.Server):
@@ -76,9 +62,11 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(config: WorkerConfig, service: EmbeddingService, extra_routes: list[Route] | None = None) -> None:
+def serve(config: WorkerConfig, service: EmbeddingService, extra_routes: list[Route] | None = None,
+          tracing: Tracing | None = None) -> None:
+    """Serve until a signal; then drain, and export the spans still queued (``tracing``)."""
     uv_config = uvicorn.Config(
-        create_app(service, extra_routes=extra_routes),
+        create_app(service, extra_routes=extra_routes, tracing=tracing),
         host=config.host,
         port=config.port,
         loop="uvloop",
@@ -89,4 +77,8 @@ def serve(config: WorkerConfig, service: EmbeddingService, extra_routes: list[Ro
         timeout_graceful_shutdown=int(config.shutdown_timeout_s),
         server_header=False,
     )
-    DrainingServer(uv_config, service).run()
+    try:
+        DrainingServer(uv_config, service).run()
+    finally:
+        if tracing is not None:
+            tracing.shutdown()

@@ -17,6 +17,7 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import tokenizers
+from opentelemetry import trace
 
 from inferlb_runtime.model_routing import MODEL_HEADER
 
@@ -242,6 +243,9 @@ class EmbeddingService:
             else:
                 payload = self._serialise(request, model, result.vectors, tokens)
             timing = f"queue;dur={result.queue_s * 1000:.3f}, compute;dur={result.compute_s * 1000:.3f}, "
+            span = trace.get_current_span()  # the request's span, when tracing (RequestContextMiddleware)
+            if span.is_recording():
+                _annotate(span, model, len(inputs), tokens, result)
             reply = Reply(200, payload, {"x-inferlb-tokens": str(tokens)})
         except APIError as exc:
             if exc.status >= 500:
@@ -316,6 +320,20 @@ class EmbeddingService:
             code="context_length_exceeded",
             param="input",
         )
+
+
+def _annotate(span: trace.Span, model: ModelInfo, inputs: int, tokens: int, result: Embedded) -> None:
+    """What the request's trace span tells about its inference: the version, its size, the time it queued
+    and computed (the figures ``server-timing`` reports), and the batches its inputs ran in."""
+    span.set_attributes({
+        "inferlb.model.version": model.name,
+        "inferlb.inputs": inputs,
+        "inferlb.tokens": tokens,
+        "inferlb.queue_ms": round(result.queue_s * 1000, 3),
+        "inferlb.compute_ms": round(result.compute_s * 1000, 3),
+        "inferlb.batch.ids": [batch for batch, _ in result.batches],
+        "inferlb.batch.sizes": [size for _, size in result.batches],
+    })
 
 
 def _advertised_host(host: str) -> str:

@@ -8,10 +8,11 @@ connections and listeners as they are).
 
 One module per resource kind, so that each reads on its own:
 
-* ``listener``: the HTTP connection manager and its filters (strip-pick, ext_proc, router), TLS;
+* ``listener``: the HTTP connection manager and its filters (strip-pick, ext_proc, router), TLS, tracing;
 * ``local_reply``: Envoy's own error replies in OpenAI's shape;
 * ``routes``: the route configuration (RDS);
-* ``clusters``: the workers cluster (override_host over least_request) and the ext_proc cluster;
+* ``clusters``: the workers cluster (override_host over least_request), the ext_proc cluster and the
+  OpenTelemetry collector's (when Envoy traces);
 * ``endpoints``: the ClusterLoadAssignment (EDS) in its two variants, Envoy's and ext_proc's;
 * ``struct_wire``: the hand-written canonical encoding of the EDS metadata Structs;
 * ``messages``: the small protobuf constructors they all use;
@@ -29,6 +30,7 @@ from .clusters import (
     HTTP_PROTOCOL_OPTIONS_KEY,
     LEAST_REQUEST_POLICY,
     OVERRIDE_HOST_POLICY,
+    build_collector_cluster,
     build_ext_proc_cluster,
     build_lb_policy,
     build_workers_cluster,
@@ -49,6 +51,7 @@ from .endpoints import (
 from .listener import (
     EXT_PROC_FILTER,
     HCM_FILTER,
+    OPENTELEMETRY_TRACER,
     REQUEST_HEADERS_TIMEOUT_S,
     ROUTER_FILTER,
     STRIP_PICK_FILTER,
@@ -57,6 +60,7 @@ from .listener import (
     build_ext_proc_filter,
     build_listener,
     build_strip_pick_filter,
+    build_tracing,
 )
 from .local_reply import (
     CEL_FILTER,
@@ -82,6 +86,7 @@ __all__ = [
     "METADATA_NAMESPACE",
     "OTHER_CLIENT_ERROR",
     "OTHER_MESSAGE",
+    "OPENTELEMETRY_TRACER",
     "OTHER_SERVER_ERROR",
     "OVERPROVISIONING_FACTOR",
     "OVERRIDE_HOST_POLICY",
@@ -94,6 +99,7 @@ __all__ = [
     "TLS_TRANSPORT_SOCKET",
     "EndpointMemo",
     "build_api_keys",
+    "build_collector_cluster",
     "build_downstream_tls",
     "build_ext_proc_cluster",
     "build_ext_proc_filter",
@@ -106,6 +112,7 @@ __all__ = [
     "build_route_configuration",
     "build_static_resources",
     "build_strip_pick_filter",
+    "build_tracing",
     "build_workers_cluster",
     "eds_health",
     "encode_load_assignment",

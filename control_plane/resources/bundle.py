@@ -11,7 +11,7 @@ from google.protobuf.message import Message
 
 from .. import type_urls
 from ..model import DataPlaneSettings, FleetState
-from .clusters import build_ext_proc_cluster, build_workers_cluster
+from .clusters import build_collector_cluster, build_ext_proc_cluster, build_workers_cluster
 from .endpoints import build_load_assignment
 from .listener import build_listener
 from .routes import build_route_configuration
@@ -22,6 +22,8 @@ def build_static_resources(settings: DataPlaneSettings) -> dict[str, dict[str, M
     clusters: dict[str, Message] = {settings.workers_cluster: build_workers_cluster(settings)}
     if settings.ext_proc.enabled:  # disabled: no filter calls it, so no cluster either
         clusters[settings.ext_proc_cluster] = build_ext_proc_cluster(settings)
+    if settings.tracing is not None:  # before the listener that names it (Envoy takes CDS before LDS)
+        clusters[settings.tracing_cluster] = build_collector_cluster(settings)
     return {
         type_urls.CLUSTER: clusters,
         type_urls.LISTENER: {settings.listener_name: build_listener(settings)},

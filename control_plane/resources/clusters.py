@@ -1,4 +1,5 @@
-"""The clusters: the workers (EDS, picked by override_host) and the ext_proc gRPC service.
+"""The clusters: the workers (EDS, picked by override_host), the ext_proc gRPC service and, when Envoy traces,
+the OpenTelemetry collector its tracer exports to.
 
 Why they look as they do: the workers cluster takes its hosts and weights from EDS, lets
 ext_proc's pick (override_host) choose the host and falls back to weighted least_request, and
@@ -125,8 +126,19 @@ def build_workers_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
 
 def build_ext_proc_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
     """The gRPC (HTTP/2) cluster the ext_proc filter calls; one stream per HTTP request."""
-    ext = settings.ext_proc
-    static = is_ip(ext.address)
+    return _grpc_cluster(settings.ext_proc_cluster, settings.ext_proc.address, settings.ext_proc.port, settings)
+
+
+def build_collector_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
+    """The OTLP/gRPC collector Envoy's OpenTelemetry tracer sends its spans to (only when it traces)."""
+    assert settings.tracing is not None
+    return _grpc_cluster(settings.tracing_cluster, settings.tracing.collector_address,
+                         settings.tracing.collector_port, settings)
+
+
+def _grpc_cluster(name: str, address: str, port: int, settings: DataPlaneSettings) -> cluster_pb2.Cluster:
+    """One gRPC service at ``address``: HTTP/2 with keepalive PINGs, by IP or by DNS name."""
+    static = is_ip(address)
     h2 = protocol_pb2.Http2ProtocolOptions(connection_keepalive=protocol_pb2.KeepaliveSettings(
         interval=duration(H2_KEEPALIVE_INTERVAL_S), timeout=duration(H2_KEEPALIVE_TIMEOUT_S),
     ))
@@ -136,14 +148,14 @@ def build_ext_proc_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
         ),
     )
     cluster = cluster_pb2.Cluster(
-        name=settings.ext_proc_cluster,
+        name=name,
         type=cluster_pb2.Cluster.STATIC if static else cluster_pb2.Cluster.STRICT_DNS,
         connect_timeout=duration(settings.connect_timeout_s),
         load_assignment=endpoint_pb2.ClusterLoadAssignment(
-            cluster_name=settings.ext_proc_cluster,
+            cluster_name=name,
             endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
                 endpoint_components_pb2.LbEndpoint(endpoint=endpoint_components_pb2.Endpoint(
-                    address=socket_address(ext.address, ext.port),
+                    address=socket_address(address, port),
                 )),
             ])],
         ),

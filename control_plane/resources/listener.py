@@ -12,13 +12,15 @@ from google.protobuf import wrappers_pb2
 from envoy.config.core.v3 import base_pb2, grpc_service_pb2
 from envoy.config.common.mutation_rules.v3 import mutation_rules_pb2
 from envoy.config.listener.v3 import listener_components_pb2, listener_pb2
+from envoy.config.trace.v3 import http_tracer_pb2, opentelemetry_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2, processing_mode_pb2
 from envoy.extensions.filters.http.header_mutation.v3 import header_mutation_pb2
 from envoy.extensions.filters.http.router.v3 import router_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import http_connection_manager_pb2 as hcm_pb2
+from envoy.extensions.request_id.uuid.v3 import uuid_pb2
 from envoy.extensions.transport_sockets.tls.v3 import common_pb2 as tls_common_pb2
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
-from envoy.type.v3 import http_status_pb2
+from envoy.type.v3 import http_status_pb2, percent_pb2
 
 from inferlb_runtime.model_routing import MODEL_HEADER
 
@@ -31,6 +33,9 @@ STRIP_PICK_FILTER = "envoy.filters.http.header_mutation"
 ROUTER_FILTER = "envoy.filters.http.router"
 HCM_FILTER = "envoy.filters.network.http_connection_manager"
 TLS_TRANSPORT_SOCKET = "envoy.transport_sockets.tls"
+OPENTELEMETRY_TRACER = "envoy.tracers.opentelemetry"
+# Envoy's span export to the collector: a bounded call, so a collector gone slow costs Envoy nothing more.
+TRACE_EXPORT_TIMEOUT_S = 1.0
 
 # Slow-loris guard for request headers; bodies are bounded by request_timeout.
 REQUEST_HEADERS_TIMEOUT_S = 10.0
@@ -79,6 +84,27 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
         route_cache_action=ext_proc_pb2.ExternalProcessor.RETAIN,
         # The host that really answered (after retries): the cost model learns for the right one.
         response_attributes=["upstream.address"],
+    )
+
+
+def build_tracing(settings: DataPlaneSettings) -> hcm_pb2.HttpConnectionManager.Tracing:
+    """Envoy's OpenTelemetry tracer: a span per request (and one per call to ext_proc and to the worker,
+    ``spawn_upstream_span``), exported over OTLP/gRPC to the collector's cluster. Envoy writes its span's
+    ``traceparent`` into the gRPC metadata of its ext_proc call and into the request it forwards, so ext_proc
+    and the worker make their spans children of Envoy's: one trace per request (docs/tracing.md)."""
+    tracing = settings.tracing
+    assert tracing is not None
+    config = opentelemetry_pb2.OpenTelemetryConfig(
+        grpc_service=grpc_service_pb2.GrpcService(
+            envoy_grpc=grpc_service_pb2.GrpcService.EnvoyGrpc(cluster_name=settings.tracing_cluster),
+            timeout=duration(TRACE_EXPORT_TIMEOUT_S),
+        ),
+        service_name=tracing.service_name,
+    )
+    return hcm_pb2.HttpConnectionManager.Tracing(
+        provider=http_tracer_pb2.Tracing.Http(name=OPENTELEMETRY_TRACER, typed_config=pack(config)),
+        random_sampling=percent_pb2.Percent(value=tracing.sampling_percent),
+        spawn_upstream_span=wrappers_pb2.BoolValue(value=True),
     )
 
 
@@ -132,6 +158,13 @@ def build_listener(settings: DataPlaneSettings) -> listener_pb2.Listener:
         merge_slashes=True,
         local_reply_config=build_local_reply_config(settings.ext_proc.max_request_body_bytes),
     )
+    if settings.tracing is not None:
+        manager.tracing.CopyFrom(build_tracing(settings))
+        # Envoy's default samples by bits it writes into its own UUID x-request-id, so a request whose client
+        # sent an id of its own (any string) would never be traced: sample at random instead, keep the id as sent.
+        manager.request_id_extension.typed_config.CopyFrom(pack(uuid_pb2.UuidRequestIdConfig(
+            pack_trace_reason=wrappers_pb2.BoolValue(value=False),
+            use_request_id_for_trace_sampling=wrappers_pb2.BoolValue(value=False))))
     chain = listener_components_pb2.FilterChain(filters=[
         listener_components_pb2.Filter(name=HCM_FILTER, typed_config=pack(manager)),
     ])
