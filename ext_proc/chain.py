@@ -12,7 +12,8 @@ Before the filters, a filter that resolves (the built-in ``model`` filter: see
 ``model_filter.py``) may rewrite the request (the model version it runs on,
 which the costing predicts for) or answer it (an unknown model's 404). Built-in
 plugins that watch the view (``model``, ``slow_start``) are told each new one
-by the router, once.
+by the router, once; those that watch the decisions (``shed``: the work routed
+to each endpoint) are told each one.
 
 The budget step is the chain's own, not a plugin: a request with a deadline
 (``RequestView.budget_s``) is never sent where its predicted completion
@@ -51,6 +52,7 @@ class PickChain:
         self._favouring = tuple(s for s, _ in self.scorers if callable(getattr(s, "favourites", None)))
         self._resolving = tuple(f for f in self.filters if callable(getattr(f, "resolve", None)))
         self._watching = tuple(p for p in self.plugins if callable(getattr(p, "new_view", None)))
+        self._deciding = tuple(p for p in self.plugins if callable(getattr(p, "decided", None)))
         self._single = self.scorers[0][0] if len(self.scorers) == 1 and self.scorers[0][1] == 1.0 else None
 
     @property
@@ -107,8 +109,11 @@ class PickChain:
         chosen = ranked[0]
         for primary in candidates:
             if primary.endpoint.id == chosen:
-                return Decision(tuple(ranked), primary.predicted_cost_s, self.policy, primary.predicted_completion_s,
-                                len(candidates), request.version)
+                decision = Decision(tuple(ranked), primary.predicted_cost_s, self.policy,
+                                    primary.predicted_completion_s, len(candidates), request.version)
+                for plugin in self._deciding:
+                    plugin.decided(request, decision)  # type: ignore[attr-defined]
+                return decision
         raise LookupError(f"the picker chose {chosen}, which is not a candidate")
 
     def new_view(self, routable: Sequence[EndpointView], catalogue: ModelCatalogue) -> None:

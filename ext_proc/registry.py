@@ -20,7 +20,8 @@ here right after the ``model`` filter, so that its ramps outlive a policy switch
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from inferlb_runtime import pick_chain, plugins
@@ -37,8 +38,9 @@ class PluginRegistry:
 
     def __init__(self, allow: plugins.PolicyAllowlist = plugins.PolicyAllowlist(),
                  observer: FailureObserver | None = None, slow_start: SlowStart | None = None,
-                 **guard_options: Any) -> None:
+                 clock: Callable[[], float] = time.monotonic, **guard_options: Any) -> None:
         self.allow = allow
+        self.clock = clock  # for the built-ins that measure time (``clocked``): the simulator's in ``inferlb sim``
         self.observer = observer  # told of every contained user-plugin failure
         self.slow_start = slow_start  # ext_proc's own, in every chain (None: no slow start)
         self._guard_options = guard_options
@@ -75,7 +77,8 @@ class PluginRegistry:
             cls = BUILTIN_CLASSES[builtin.name]
             if builtin.params is pick_chain.NoParams:
                 return cls()
-            return cls(plugins.parse_params(f"{step} {ref.plugin!r}", builtin.params, ref.params))
+            params = plugins.parse_params(f"{step} {ref.plugin!r}", builtin.params, ref.params)
+            return cls(params, clock=self.clock) if getattr(cls, "clocked", False) else cls(params)
         obj, _ = plugins.resolve(step, ref.plugin, self.allow)  # type: ignore[arg-type]
         plugin = plugins.instantiate(step, ref.plugin, obj, ref.params)  # type: ignore[arg-type]
         return GuardedPlugin(plugin, step, observer=self.observer, **self._guard_options)

@@ -94,10 +94,16 @@ class CompletionTimeParams:
 @dataclass(frozen=True)
 class ShedParams:
     """Shed a ``sheddable`` request (429) when even the best candidate's predicted completion is over
-    ``slo_ms``; the client is told to retry after the predicted excess, at least ``retry_after_s``."""
+    ``slo_ms``; the client is told to retry after the predicted excess, at least ``retry_after_s``.
+
+    ``queue_model`` says how its wait is predicted: ``priority`` (the workers serve by class) counts the
+    critical and standard work that will arrive during it, from the rate ext_proc routes there (averaged
+    over ``rate_window_s``); ``fifo`` only the work queued now."""
 
     slo_ms: SloMs = DEFAULT_SLO_MS
     retry_after_s: Annotated[int, Ge(1), Le(3600)] = 1
+    queue_model: Literal["priority", "fifo"] = "priority"
+    rate_window_s: Annotated[float, Ge(0.1), Le(60.0)] = 1.0
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,8 @@ class BuiltinPlugin:
 
 BUILTIN_PLUGINS: Mapping[str, BuiltinPlugin] = {p.name: p for p in (
     BuiltinPlugin("shed", "admit", ShedParams,
-                  "429 for a sheddable request when the best predicted completion is over the SLO"),
+                  "429 for a sheddable request when the best predicted completion is over the SLO (by default "
+                  "counting the higher classes' work arriving while it waits)"),
     BuiltinPlugin("model", "filter", ModelParams, "the endpoints serving the body's model (a version, an alias, or "
                   "a rollout's version); 404 model_not_found for a name the fleet does not serve"),
     BuiltinPlugin("slow_start", "filter", SlowStartParams,

@@ -30,7 +30,7 @@ C, S, X = int(Priority.CRITICAL), int(Priority.STANDARD), int(Priority.SHEDDABLE
 
 def overloaded(**changes) -> Scenario:  # type: ignore[no-untyped-def]
     """A short run of the overload mix on four workers (no constant overheads unless given)."""
-    base = Scenario(name="classes", seed=13, duration_s=8.0, warmup_s=2.0, slo_s=0.5, shed_slo_ms=250.0,
+    base = Scenario(name="classes", seed=13, duration_s=8.0, warmup_s=2.0, slo_s=0.5, shed_slo_ms=500.0,
                     slowdown=None, loads=(1.3,), configurations=("inferlb_ext_proc",),
                     workload=Workload(classes=MIX),
                     fleet=Fleet(workers=tuple(WorkerSpec(s) for s in (1.0, 1.0, 0.5, 0.5))),

@@ -59,7 +59,8 @@ class Replica:
     """One ext_proc process: its router, on the simulated clock."""
 
     def __init__(self, policy_name: str, seed: int, clock, params: Mapping[str, Any] | None = None) -> None:  # type: ignore[no-untyped-def]
-        self.router = Router(PluginRegistry(), policy_name, seeded_params(policy_name, seed, params), clock=clock)
+        self.router = Router(PluginRegistry(clock=clock), policy_name, seeded_params(policy_name, seed, params),
+                             clock=clock)
         self.picks = 0
         self.fallbacks = 0
         self.shed = 0  # requests its chain answered itself (429)

@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -58,6 +58,7 @@ class SimOptions:
 
     cswrr: CswrrParams = field(default_factory=CswrrParams)
     push_delay_s: float = 0.1  # control plane debounce between a scrape and EDS reaching the data plane
+    shed_queue_model: Literal["priority", "fifo"] | None = None  # the shed plugin's (None: its default)
 
 
 def capacity_rps(scenario: Scenario) -> float:
@@ -76,6 +77,14 @@ def _seed(scenario: Scenario, configuration: str, load: float, run: str) -> int:
     """A balancer's random stream: fixed per (scenario seed, configuration, load, run), so runs replay."""
     text = f"{scenario.seed}|{configuration}|{load:.6f}|{run}"
     return int.from_bytes(text.encode(), "little") % (1 << 61)
+
+
+def shedding_params(slo_ms: float, queue_model: str | None) -> dict[str, Any]:
+    """The pick policy's params for shedding at ``slo_ms``: the preset's own ``slo_ms``, or (another
+    ``queue_model``) the ``shed`` plugin named in its ``admit`` list with that model, as an operator would."""
+    if queue_model is None or not slo_ms > 0:
+        return {"slo_ms": slo_ms}
+    return {"slo_ms": 0, "admit": [{"plugin": "shed", "params": {"slo_ms": slo_ms, "queue_model": queue_model}}]}
 
 
 def build_balancer(configuration: str, scenario: Scenario, fleet: SimFleet, engine_at: Callable, clock: Clock,
@@ -98,7 +107,7 @@ def build_balancer(configuration: str, scenario: Scenario, fleet: SimFleet, engi
         ids = tuple(f"127.0.0.1:{8101 + i}" for i in range(len(fleet)))
         kwargs = {"policy": policy} if policy else {}
         balancer = ExtProcBalancer(fleet, rng, ids, scenario.ext_proc_replicas, clock,
-                                   params={"slo_ms": scenario.shed_slo_ms},
+                                   params=shedding_params(scenario.shed_slo_ms, options.shed_queue_model),
                                    inputs_per_request=scenario.workload.inputs_per_request, **kwargs)
         balancer.name = configuration
         on_weights = balancer.set_eds
