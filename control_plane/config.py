@@ -19,6 +19,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from inferlb_runtime.hostport import MAX_UNIX_SOCKET_PATH_BYTES, fits_unix_socket
 from inferlb_runtime.model_routing import POOL_PATTERN
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.settings import PolicyModules, load_layered
@@ -52,6 +53,9 @@ class DataPlaneConfig(BaseModel):
     listener_tls_key: str | None = None
     ext_proc_address: str = "127.0.0.1"
     ext_proc_port: int = Field(9002, ge=1, le=65535)
+    # Reach ext_proc over this Unix domain socket (absolute path, as Envoy sees it; ext_proc's uds_path)
+    # instead of ext_proc_address:ext_proc_port: for an ext_proc on Envoy's host, cheaper per message.
+    ext_proc_uds_path: str | None = None
     ext_proc_message_timeout_ms: int = Field(200, ge=1, le=60000)
     # How long ext_proc may ask Envoy to wait for one answer (override_message_timeout): it does so for a
     # request queued in its fair admission queue. Keep it above ext_proc's fair_queue_max_wait_s.
@@ -71,13 +75,16 @@ class DataPlaneConfig(BaseModel):
     ext_proc_node_cluster: str = Field("inferlb-ext-proc", min_length=1)
 
     @model_validator(mode="after")
-    def _tls_pair(self) -> "DataPlaneConfig":
+    def _paths(self) -> "DataPlaneConfig":
         if (self.listener_tls_cert is None) != (self.listener_tls_key is None):
             raise ValueError("listener_tls_cert and listener_tls_key go together: set both (HTTPS) or neither")
-        for name in ("listener_tls_cert", "listener_tls_key"):
+        for name in ("listener_tls_cert", "listener_tls_key", "ext_proc_uds_path"):
             value = getattr(self, name)
             if value is not None and not PurePosixPath(value).is_absolute():
                 raise ValueError(f"{name} must be an absolute path (Envoy reads it on its own host), got {value!r}")
+        if self.ext_proc_uds_path is not None and not fits_unix_socket(self.ext_proc_uds_path):
+            raise ValueError(f"ext_proc_uds_path {self.ext_proc_uds_path!r} is too long for a Unix socket (at most "
+                             f"{MAX_UNIX_SOCKET_PATH_BYTES} bytes)")
         return self
 
     def settings(self, env: Mapping[str, str] | None = None) -> DataPlaneSettings:
@@ -92,6 +99,7 @@ class DataPlaneConfig(BaseModel):
             ext_proc=ExtProcSettings(
                 address=self.ext_proc_address,
                 port=self.ext_proc_port,
+                uds_path=self.ext_proc_uds_path,
                 message_timeout_ms=self.ext_proc_message_timeout_ms,
                 max_message_timeout_ms=self.ext_proc_max_message_timeout_ms,
                 max_request_body_bytes=self.max_request_body_bytes,

@@ -109,6 +109,9 @@ class ExtProcSettings:
 
     address: str = "127.0.0.1"
     port: int = 9002
+    # A Unix domain socket path: Envoy reaches a co-located ext_proc there instead of address:port
+    # (a pipe costs the kernel less per gRPC message than loopback TCP). None: TCP.
+    uds_path: str | None = None
     message_timeout_ms: int = 200
     max_message_timeout_ms: int = 10_000  # the most ext_proc may extend one message's timeout to
     max_request_body_bytes: int = 4 * 1024 * 1024

@@ -87,7 +87,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | No
         quotas, shared_cache, tracing)
     holder.append(servicer)
     health = HealthReporter(xds)
-    grpc_server = await serve_grpc(servicer, health, config.grpc_target, config.grpc_max_message_bytes,
+    grpc_server = await serve_grpc(servicer, health, config.grpc_targets, config.grpc_max_message_bytes,
                                    config.reuse_port)
     xds.start()
 
@@ -111,7 +111,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | No
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     log.info("ext_proc started", extra={
-        "grpc": config.grpc_target, "metrics": f"{config.metrics_address}:{config.metrics_port}",
+        "grpc": config.grpc_targets, "metrics": f"{config.metrics_address}:{config.metrics_port}",
         "xds": config.xds_target, "xds_mode": config.xds_mode, "xds_mtls": tls is not None,
         "node_id": config.node_id,
         "node_cluster": config.node_cluster, "pick_policy": config.pick_policy,
@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-port", action="store_true", default=None,
                    help="share the gRPC port with other ext_proc processes (SO_REUSEPORT; give each its own "
                         "--metrics-port or 0)")
+    p.add_argument("--uds-path", type=Path, metavar="PATH",
+                   help="also serve on this Unix domain socket (for an Envoy on the same host: cheaper than "
+                        "loopback TCP; default: none)")
     p.add_argument("--event-loop", choices=["uvloop", "asyncio"], help="event loop (default uvloop when installed)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     return p

@@ -19,6 +19,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from inferlb_runtime.hostport import MAX_UNIX_SOCKET_PATH_BYTES, fits_unix_socket
 from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.settings import PolicyModules, load_layered
 from inferlb_runtime.tls import all_or_none
@@ -42,6 +43,10 @@ class ExtProcConfig(BaseSettings):
     # SO_REUSEPORT: several ext_proc processes on one port, the kernel spreading Envoy's connections over
     # them (one process is one core: this is how ext_proc scales). Off: a taken port is an error.
     reuse_port: bool = False
+    # Also serve on this Unix domain socket: for an Envoy on the same host (the sidecar), a pipe costs the
+    # kernel less per message than loopback TCP (docs/benchmarks.md section 3). The TCP port stays (health
+    # probes, remote Envoys). Each process needs its own path: a socket file is not shared like a port.
+    uds_path: Path | None = None
     # Prometheus /metrics, /healthz, /readyz.
     metrics_address: str = "127.0.0.1"
     metrics_port: int = Field(9090, ge=0, le=65535)  # 0: no HTTP side
@@ -137,6 +142,9 @@ class ExtProcConfig(BaseSettings):
         if self.grpc_max_message_bytes < self.max_body_bytes + 64 * 1024:
             raise ValueError("grpc_max_message_bytes must exceed max_body_bytes by at least 64 KiB "
                              "(a buffered body arrives as one message with its framing)")
+        if self.uds_path is not None and not fits_unix_socket(self.uds_path):
+            raise ValueError(f"uds_path {str(self.uds_path)!r} is too long for a Unix socket (at most "
+                             f"{MAX_UNIX_SOCKET_PATH_BYTES} bytes): use a shorter directory")
         if not self.node_id:
             self.node_id = default_node_id()
         return self
@@ -148,6 +156,11 @@ class ExtProcConfig(BaseSettings):
     @property
     def grpc_target(self) -> str:
         return f"{self.address}:{self.port}"
+
+    @property
+    def grpc_targets(self) -> list[str]:
+        """Every address the gRPC server listens on: the TCP port, and the Unix socket when set."""
+        return [self.grpc_target] + ([f"unix:{self.uds_path}"] if self.uds_path is not None else [])
 
     @property
     def xds_target(self) -> str:

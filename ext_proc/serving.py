@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,13 +59,15 @@ class HealthReporter:
         await self.servicer.enter_graceful_shutdown()
 
 
-async def serve_grpc(servicer: ExtProcServicer, health: HealthReporter, target: str,
+async def serve_grpc(servicer: ExtProcServicer, health: HealthReporter, targets: Sequence[str],
                      max_message_bytes: int, reuse_port: bool = False) -> grpc.aio.Server:
+    """One server on every target (``host:port``, ``unix:/path``): the same servicer behind each."""
     server = grpc.aio.server(options=server_options(max_message_bytes, reuse_port))
     servicer.add_to_server(server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    if server.add_insecure_port(target) == 0:
-        raise OSError(f"cannot listen on {target}")
+    for target in targets:
+        if server.add_insecure_port(target) == 0:
+            raise OSError(f"cannot listen on {target}")
     await server.start()
     await health.start(ready=servicer.source.view is not None)
     return server

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from inferlb_runtime.hostport import fits_unix_socket
 from inferlb_runtime.model_routing import DEFAULT_POOL
 
 from .bootstrap import render_bootstrap
@@ -85,11 +86,21 @@ def worker_components(count: int, base_port: int, options: WorkerOptions) -> lis
     return [worker_component(port, options) for port in range(base_port, base_port + count)]
 
 
+def ext_proc_socket(data_dir: Path) -> Path | None:
+    """Where the local stack's Envoy reaches its ext_proc: a Unix socket in the data directory, as a pipe
+    costs less per gRPC message than loopback TCP (docs/benchmarks.md section 3). None (TCP) when the
+    path is too long to name a socket."""
+    path = data_dir.resolve() / "ext_proc.sock"
+    return path if fits_unix_socket(path) else None
+
+
 def control_plane_component(
     endpoints: list[str], data_dir: Path, ports: StackPorts, config: Path | None = None,
     dataplane: str = "envoy", require_api_keys: bool = False, extra_env: dict[str, str] | None = None,
 ) -> Component:
-    """In nginx mode the control plane runs nginx itself and is ready once nginx serves a validated config."""
+    """In nginx mode the control plane runs nginx itself and is ready once nginx serves a validated config.
+    In Envoy mode it points Envoy's ext_proc cluster at ext_proc's Unix socket (when the path fits one)."""
+    socket_path = ext_proc_socket(data_dir) if dataplane == "envoy" else None
     argv = [sys.executable, "-m", "control_plane", "--xds-port", str(ports.xds),
             "--admin-port", str(ports.control_plane_admin), "--data-dir", str(data_dir)]
     for endpoint in endpoints:
@@ -106,6 +117,7 @@ def control_plane_component(
         env=_env(data_dir, INFERLB_CP_DATA_PLANE__LISTENER_PORT=str(ports.listener),
                  INFERLB_CP_DATA_PLANE__EXT_PROC_PORT=str(ports.ext_proc),
                  **({"INFERLB_CP_DATA_PLANE__REQUIRE_API_KEYS": "true"} if require_api_keys else {}),
+                 **({"INFERLB_CP_DATA_PLANE__EXT_PROC_UDS_PATH": str(socket_path)} if socket_path else {}),
                  **(extra_env or {})),
     )
 
@@ -114,6 +126,9 @@ def ext_proc_component(data_dir: Path, ports: StackPorts, config: Path | None = 
                        require_api_keys: bool = False, quota_store: str | None = None) -> Component:
     argv = [sys.executable, "-m", "ext_proc", "--port", str(ports.ext_proc), "--metrics-port",
             str(ports.ext_proc_metrics), "--xds-port", str(ports.xds)]
+    socket_path = ext_proc_socket(data_dir)
+    if socket_path:  # also: the TCP port stays for probes and other clients
+        argv += ["--uds-path", str(socket_path)]
     if config:
         argv += ["--config", str(config)]
     return Component(

@@ -12,6 +12,7 @@ is the same endpoint on both sides.
 from __future__ import annotations
 
 import ipaddress
+import os
 
 
 def endpoint_id(address: str, port: int) -> str:
@@ -58,3 +59,12 @@ def is_ip(address: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# sockaddr_un.sun_path on Linux holds 108 bytes, the terminating NUL included.
+MAX_UNIX_SOCKET_PATH_BYTES = 107
+
+
+def fits_unix_socket(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is short enough to name a Unix domain socket (bind() refuses a longer one)."""
+    return len(os.fsencode(path)) <= MAX_UNIX_SOCKET_PATH_BYTES

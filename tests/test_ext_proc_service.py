@@ -88,7 +88,7 @@ async def serving(counter: TokenCounter, view: FleetView | None = None,
     servicer = ExtProcServicer.create(settings, source, ExtProcMetrics(), counter, default_policy, allow)
     health = HealthReporter(source)
     target = f"127.0.0.1:{free_port()}"
-    server = await serve_grpc(servicer, health, target, 8 * 1024 * 1024)
+    server = await serve_grpc(servicer, health, [target], 8 * 1024 * 1024)
     channel = grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 8 * 1024 * 1024)])
     try:
         yield Harness(servicer, source, channel)

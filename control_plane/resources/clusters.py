@@ -13,7 +13,7 @@ from google.protobuf import wrappers_pb2
 from google.protobuf.message import Message
 
 from envoy.config.cluster.v3 import circuit_breaker_pb2, cluster_pb2, outlier_detection_pb2
-from envoy.config.core.v3 import base_pb2, extension_pb2, health_check_pb2, protocol_pb2
+from envoy.config.core.v3 import address_pb2, base_pb2, extension_pb2, health_check_pb2, protocol_pb2
 from envoy.config.endpoint.v3 import endpoint_components_pb2, endpoint_pb2
 from envoy.extensions.load_balancing_policies.common.v3 import common_pb2
 from envoy.extensions.load_balancing_policies.least_request.v3 import least_request_pb2
@@ -125,20 +125,27 @@ def build_workers_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
 
 
 def build_ext_proc_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
-    """The gRPC (HTTP/2) cluster the ext_proc filter calls; one stream per HTTP request."""
-    return _grpc_cluster(settings.ext_proc_cluster, settings.ext_proc.address, settings.ext_proc.port, settings)
+    """The gRPC (HTTP/2) cluster the ext_proc filter calls; one stream per HTTP request. Over a Unix
+    domain socket when ``uds_path`` is set (a co-located ext_proc), else TCP."""
+    ext = settings.ext_proc
+    if ext.uds_path is not None:
+        return _grpc_cluster(settings.ext_proc_cluster, address_pb2.Address(pipe=address_pb2.Pipe(path=ext.uds_path)),
+                             settings)
+    return _grpc_cluster(settings.ext_proc_cluster, ext.address, settings, ext.port)
 
 
 def build_collector_cluster(settings: DataPlaneSettings) -> cluster_pb2.Cluster:
     """The OTLP/gRPC collector Envoy's OpenTelemetry tracer sends its spans to (only when it traces)."""
     assert settings.tracing is not None
-    return _grpc_cluster(settings.tracing_cluster, settings.tracing.collector_address,
-                         settings.tracing.collector_port, settings)
+    return _grpc_cluster(settings.tracing_cluster, settings.tracing.collector_address, settings,
+                         settings.tracing.collector_port)
 
 
-def _grpc_cluster(name: str, address: str, port: int, settings: DataPlaneSettings) -> cluster_pb2.Cluster:
-    """One gRPC service at ``address``: HTTP/2 with keepalive PINGs, by IP or by DNS name."""
-    static = is_ip(address)
+def _grpc_cluster(name: str, address: str | address_pb2.Address, settings: DataPlaneSettings,
+                  port: int = 0) -> cluster_pb2.Cluster:
+    """One gRPC service at ``address``: HTTP/2 with keepalive PINGs, by IP, by DNS name (with ``port``), or a
+    ready-made ``Address`` (a pipe)."""
+    static = not isinstance(address, str) or is_ip(address)
     h2 = protocol_pb2.Http2ProtocolOptions(connection_keepalive=protocol_pb2.KeepaliveSettings(
         interval=duration(H2_KEEPALIVE_INTERVAL_S), timeout=duration(H2_KEEPALIVE_TIMEOUT_S),
     ))
@@ -155,7 +162,7 @@ def _grpc_cluster(name: str, address: str, port: int, settings: DataPlaneSetting
             cluster_name=name,
             endpoints=[endpoint_components_pb2.LocalityLbEndpoints(lb_endpoints=[
                 endpoint_components_pb2.LbEndpoint(endpoint=endpoint_components_pb2.Endpoint(
-                    address=socket_address(address, port),
+                    address=address if not isinstance(address, str) else socket_address(address, port),
                 )),
             ])],
         ),

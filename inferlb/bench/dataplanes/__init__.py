@@ -90,8 +90,12 @@ def plan_data_plane(
     python: str = sys.executable,
     nginx: str = NGINX,
     admin_token: str | None = None,
+    ext_proc_uds: Path | None = None,
+    envoy_ext_proc_uds: bool = True,
 ) -> DataPlanePlan:
-    """The plan of one configuration. ``workdir`` is this configuration's own directory (logs, configs)."""
+    """The plan of one configuration. ``workdir`` is this configuration's own directory (logs, configs).
+    ``ext_proc_uds``: ext_proc also listens on this Unix socket, and Envoy reaches it there (unless
+    ``envoy_ext_proc_uds`` is false: TCP, the socket then only for other clients)."""
     if not known_configuration(configuration):
         raise ValueError(f"unknown configuration {configuration!r}; known: {', '.join(CONFIGURATIONS)}, "
                          f"{PICK_PREFIX}<policy>")
@@ -141,6 +145,8 @@ def plan_data_plane(
         "INFERLB_CP_DATA_PLANE__EXT_PROC_ENABLED": "true" if with_ext_proc else "false",
         "INFERLB_CP_DATA_PLANE__RETRIES": "0",  # no configuration retries
         "INFERLB_CP_DATA_PLANE__REQUEST_TIMEOUT_S": f"{request_timeout_s:g}",
+        **({"INFERLB_CP_DATA_PLANE__EXT_PROC_UDS_PATH": str(ext_proc_uds)}
+           if ext_proc_uds and envoy_ext_proc_uds else {}),
     })
     cp_argv = [python, "-m", "control_plane", "--xds-port", str(ports.xds), "--admin-port",
                str(ports.control_plane_admin), "--data-dir", str(cp_data), "--log-level", "warning"]
@@ -158,6 +164,8 @@ def plan_data_plane(
                 str(ports.ext_proc_metrics), "--xds-port", str(ports.xds), "--log-level", "warning"]
         if pick:
             argv += ["--pick-policy", pick]
+        if ext_proc_uds:
+            argv += ["--uds-path", str(ext_proc_uds)]
         env = child_env({"INFERLB_DATA_DIR": str(cp_data), EXT_PROC_CACHE_ENV: "0"})
         second.insert(0, Component(name="ext_proc", argv=argv, ready_url=f"{ext_proc_metrics_url}/readyz",
                                    log_path=logs / "ext_proc.log", env=env, ready_timeout_s=60.0))
@@ -166,6 +174,7 @@ def plan_data_plane(
                          ext_proc_metrics_url=ext_proc_metrics_url, admin_token=token, pick_policy=pick,
                          directories=(logs, cp_data),
                          notes={"ext_proc": with_ext_proc, "retries": 0,
+                                "ext_proc_transport": "uds" if ext_proc_uds and envoy_ext_proc_uds else "tcp",
                                 **({"pick_policy": pick} if pick else {})})
 
 

@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-fixed-ms", type=float, default=0.1, help="simulated cost per batch (default 0.1 ms)")
     p.add_argument("--sim-per-token-us", type=float, default=1.0,
                    help="simulated cost per padded token (default 1 us)")
+    p.add_argument("--transport", choices=["uds", "tcp"], default="uds",
+                   help="how the stack's Envoy reaches ext_proc: a Unix domain socket (uds, default: inferlb up's "
+                        "sidecar default) or loopback TCP; the gRPC phase measures both either way")
     p.add_argument("--bodies", type=int, default=256, help="distinct request bodies, cycled (default 256)")
     p.add_argument("--wrk-seconds", type=float, default=6,
                    help="each wrk saturation run: 2 through the stack, 6 through Envoy to a fake worker "
@@ -87,8 +90,8 @@ def log(message: str) -> None:
 
 
 def estimate_s(args: argparse.Namespace) -> float:
-    return (15 + 2 * args.warmup + len(args.rates) * 2 * (args.duration + args.rounds) + 7 * (args.wrk_seconds + 1)
-            + (args.grpc_seconds + args.floor_seconds + 4 if args.grpc_seconds else 0)
+    return (15 + 2 * args.warmup + len(args.rates) * 2 * (args.duration + args.rounds) + 10 * (args.wrk_seconds + 1)
+            + (2 * (args.grpc_seconds + args.floor_seconds) + 8 if args.grpc_seconds else 0)
             + (2 * args.profile_seconds + 8 if args.profile != "never" else 0))
 
 

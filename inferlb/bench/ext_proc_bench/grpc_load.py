@@ -19,7 +19,7 @@ import numpy as np
 
 from ..processes import ProcessGroup
 from .cpu import CpuMeter, pinned
-from .stack import Log, Stack, decisions, trivial_servicer
+from .stack import Log, Stack, decisions, trivial_servicer, trivial_uds
 from .workload import PATH
 
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
@@ -136,20 +136,33 @@ async def measure_direct(name: str, target: str, pid: int, client: httpx.AsyncCl
     return entry
 
 
+TRANSPORTS = ("tcp", "uds")
+
+
 async def direct_phase(args: Any, st: Stack, messages: Messages, log: Log) -> dict[str, Any]:
-    target = f"127.0.0.1:{st.ext_proc_port}"
+    """ext_proc and the trivial servicer, each over loopback TCP and over its Unix socket, alternating so
+    that a neighbour's load falls on both. ``ext_proc`` and ``trivial``: the stack's own transport."""
     out: dict[str, Any] = {}
-    await grpc_drive(target, messages, args.grpc_streams, 1.0)  # warm the client's code paths
-    out["ext_proc"] = await measure_direct("ext_proc, 3 messages/request", target, st.pid("ext_proc"), st.client,
-                                           st.ext_proc_metrics_url, messages, args.grpc_streams, args.grpc_seconds,
-                                           log)
-    if args.floor_seconds > 0:
-        async with ProcessGroup() as group:
+    async with ProcessGroup() as group:
+        trivial: tuple[int, str] | None = None
+        if args.floor_seconds > 0:
             component, port = trivial_servicer(st.log_dir)
             await group.start([component])
-            trivial = f"127.0.0.1:{port}"
-            await grpc_drive(trivial, messages, args.grpc_streams, 1.0)
-            out["trivial"] = await measure_direct("trivial servicer, 3 messages", trivial, group.pid(component.name),
-                                                  st.client, None, messages, args.grpc_streams, args.floor_seconds,
-                                                  log)
+            trivial = (group.pid(component.name), port)
+        for transport in TRANSPORTS:
+            target = st.ext_proc_target(transport)
+            await grpc_drive(target, messages, args.grpc_streams, 1.0)  # warm the client's code paths
+            out[f"ext_proc_{transport}"] = await measure_direct(
+                f"ext_proc, 3 messages/request, {transport.upper()}", target, st.pid("ext_proc"), st.client,
+                st.ext_proc_metrics_url, messages, args.grpc_streams, args.grpc_seconds, log)
+            if trivial is not None:
+                pid, port = trivial
+                target = f"unix:{trivial_uds(st.log_dir)}" if transport == "uds" else f"127.0.0.1:{port}"
+                await grpc_drive(target, messages, args.grpc_streams, 1.0)
+                out[f"trivial_{transport}"] = await measure_direct(
+                    f"trivial servicer, 3 messages, {transport.upper()}", target, pid, st.client, None, messages,
+                    args.grpc_streams, args.floor_seconds, log)
+    out["ext_proc"] = out[f"ext_proc_{st.transport}"]
+    if f"trivial_{st.transport}" in out:
+        out["trivial"] = out[f"trivial_{st.transport}"]
     return out

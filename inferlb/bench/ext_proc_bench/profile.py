@@ -76,7 +76,7 @@ async def perf_profile(args: Any, st: Stack, messages: Messages, log: Log) -> di
         perf, "record", "-F", "499", "-p", str(pid), "-o", str(data), "--", "sleep", f"{seconds:.0f}",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
-        load = await measure_direct("ext_proc under perf record", f"127.0.0.1:{st.ext_proc_port}", pid, st.client,
+        load = await measure_direct("ext_proc under perf record", st.ext_proc_target(st.transport), pid, st.client,
                                     st.ext_proc_metrics_url, messages, args.grpc_streams, args.profile_seconds, log)
         out_bytes, _ = await asyncio.wait_for(recorder.communicate(), seconds + 30)
     except BaseException:

@@ -9,6 +9,10 @@ from .stack import Log
 TARGET_ADDED_P50_MS = 1.0
 TARGET_ADDED_P50_RATE = 500
 TARGET_DECISIONS_PER_S = 4000.0
+DIRECT_ROWS = (("ext_proc_tcp", "ext_proc over TCP (real token counting)"),
+               ("ext_proc_uds", "ext_proc over UDS (real token counting)"),
+               ("trivial_tcp", "trivial grpcio aio servicer over TCP"),
+               ("trivial_uds", "trivial grpcio aio servicer over UDS"))
 
 
 def fmt(value: float | None, width: int = 7, digits: int = 2, sign: bool = False) -> str:
@@ -66,14 +70,19 @@ def report(results: dict[str, Any], args: Any, log: Log) -> None:
     if direct:
         log("ext_proc alone: a gRPC client playing Envoy's 3 messages per request; server pinned to one core, "
             "client on the other:")
-        for key, label in (("ext_proc", "ext_proc (real token counting)"), ("trivial", "trivial grpcio aio servicer")):
+        for key, label in DIRECT_ROWS:
             if key in direct:
                 e = direct[key]
-                log(f"  {label:<32} {e['per_s']:7.0f}/s at {e['cores']['server']:.2f} server cores -> "
+                log(f"  {label:<40} {e['per_s']:7.0f}/s at {e['cores']['server']:.2f} server cores -> "
                     f"{e['per_cpu_s'] or 0:6.0f} per CPU-second (client {e['cores']['client']:.2f} cores)")
-    if "ext_proc" in direct and "trivial" in direct and direct["trivial"].get("per_cpu_s"):
-        ratio = (direct["ext_proc"]["per_cpu_s"] or 0) / direct["trivial"]["per_cpu_s"]
-        log(f"  ext_proc per CPU-second / the trivial servicer's (the floor, same run): {ratio:.2f}")
+        for transport in ("tcp", "uds"):
+            x, t = direct.get(f"ext_proc_{transport}"), direct.get(f"trivial_{transport}")
+            if x and t and t.get("per_cpu_s"):
+                log(f"  ext_proc per CPU-second / the trivial servicer's over {transport.upper()} (same run): "
+                    f"{(x['per_cpu_s'] or 0) / t['per_cpu_s']:.2f}")
+        tcp, uds = direct.get("ext_proc_tcp"), direct.get("ext_proc_uds")
+        if tcp and uds and tcp.get("per_cpu_s"):
+            log(f"  ext_proc over UDS / over TCP, per CPU-second: {(uds['per_cpu_s'] or 0) / tcp['per_cpu_s']:.2f}")
     tg = results.get("targets", {})
     if tg:
         log("Targets:")

@@ -20,7 +20,7 @@ from ..processes import ProcessGroup
 from ..wrk import lua_table, run_wrk
 from .cpu import CpuMeter
 from .stack import EXT_PROC_STATS, Log, Stack, decisions, ext_proc_filter_stats, fake_worker, post, static_envoy, \
-    trivial_servicer, wait_until
+    trivial_servicer, trivial_uds, wait_until
 from .workload import PATH
 
 WRK_SCRIPT = """
@@ -42,13 +42,15 @@ function done(summary, latency, requests)
 end
 """
 
-ENVOY_VARIANTS = (  # (key, label, ext_proc messages or None for no filter, which ext_proc serves)
-    ("no_filter", "no filter", None, None),
-    ("trivial", "trivial servicer, 3 messages", 3, "trivial"),
-    ("trivial_2", "trivial servicer, 2 (no resp. headers)", 2, "trivial"),
-    ("trivial_1", "trivial servicer, 1 (body only)*", 1, "trivial"),
-    ("ext_proc", "ext_proc, 3 messages", 3, "ext_proc"),
-    ("ext_proc_2", "ext_proc, 2 (no resp. headers)", 2, "ext_proc"),
+ENVOY_VARIANTS = (  # (key, label, ext_proc messages or None for no filter, which ext_proc serves, how reached)
+    ("no_filter", "no filter", None, None, "tcp"),
+    ("trivial", "trivial servicer, 3 messages", 3, "trivial", "tcp"),
+    ("trivial_uds", "trivial servicer, 3 messages, UDS", 3, "trivial", "uds"),
+    ("trivial_2", "trivial servicer, 2 (no resp. headers)", 2, "trivial", "tcp"),
+    ("trivial_1", "trivial servicer, 1 (body only)*", 1, "trivial", "tcp"),
+    ("ext_proc", "ext_proc, 3 messages", 3, "ext_proc", "tcp"),
+    ("ext_proc_uds", "ext_proc, 3 messages, UDS", 3, "ext_proc", "uds"),
+    ("ext_proc_2", "ext_proc, 2 (no resp. headers)", 2, "ext_proc", "tcp"),
 )
 
 
@@ -110,12 +112,13 @@ async def envoy_saturation_phase(args: Any, st: Stack, script: Path, bodies: Seq
         fake, upstream_port = fake_worker(st.envoy, st.log_dir, answer)
         trivial, trivial_port = trivial_servicer(st.log_dir)
         await group.start([fake, trivial])
-        servers = {"trivial": (trivial_port, group.pid(trivial.name), None),
-                   "ext_proc": (st.ext_proc_port, st.pid("ext_proc"), st.ext_proc_metrics_url)}
-        for key, label, messages, server in ENVOY_VARIANTS:
-            port, pid, metrics_url = servers[server] if server else (None, None, None)
+        servers = {"trivial": (trivial_port, group.pid(trivial.name), None, trivial_uds(st.log_dir)),
+                   "ext_proc": (st.ext_proc_port, st.pid("ext_proc"), st.ext_proc_metrics_url, st.ext_proc_uds)}
+        for key, label, messages, server, transport in ENVOY_VARIANTS:
+            port, pid, metrics_url, uds = servers[server] if server else (None, None, None, None)
             envoy = static_envoy(st.envoy, st.log_dir, f"sat-{key}", [("127.0.0.1", upstream_port)],
-                                 ext_proc_port=port, messages=messages or 3)
+                                 ext_proc_port=port, messages=messages or 3,
+                                 ext_proc_uds=uds if transport == "uds" else None)
             async with ProcessGroup() as variant:
                 await variant.start([envoy.component])
                 url = f"http://127.0.0.1:{envoy.listener_port}{PATH}"

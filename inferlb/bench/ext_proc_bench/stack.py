@@ -66,15 +66,17 @@ class StaticEnvoy:
 
 
 def static_envoy(envoy: str, log_dir: Path, name: str, endpoints: Sequence[tuple[str, int]], *,
-                 ext_proc_port: int | None, messages: int = 3) -> StaticEnvoy:
+                 ext_proc_port: int | None, messages: int = 3, ext_proc_uds: Path | None = None) -> StaticEnvoy:
     """The bench's static Envoy config in front of ``endpoints``: with the ext_proc filter (``messages``
-    per request) pointing at ``ext_proc_port``, or without it (``None``). No retries, like the stack."""
+    per request) pointing at ``ext_proc_port`` (or its Unix socket ``ext_proc_uds``), or without it (``None``).
+    No retries, like the stack."""
     from control_plane.config import DataPlaneConfig
 
     listener_port, admin_port = free_port(), free_port()
     settings = DataPlaneConfig(listener_port=listener_port, ext_proc_port=ext_proc_port or 1, retries=0,
                                request_timeout_s=REQUEST_TIMEOUT_S,
-                               ext_proc_enabled=ext_proc_port is not None).settings()
+                               ext_proc_enabled=ext_proc_port is not None,
+                               ext_proc_uds_path=str(ext_proc_uds) if ext_proc_uds else None).settings()
     path = log_dir / f"envoy-{name}-bootstrap.json"
     path.write_text(json.dumps(bootstrap_dict(static_bootstrap(settings, endpoints, admin_port=admin_port,
                                                                node_id=name, ext_proc_messages=messages))))
@@ -115,6 +117,12 @@ class Stack:
     envoy_x_admin_url: str
     envoy_b_port: int
     xds_port: int
+    ext_proc_uds: Path  # ext_proc listens here too, whatever the stack's Envoy uses
+    transport: str  # how the stack's Envoy reaches ext_proc: "uds" or "tcp"
+
+    def ext_proc_target(self, transport: str) -> str:
+        """ext_proc's gRPC address for a client: its Unix socket or its TCP port."""
+        return f"unix:{self.ext_proc_uds}" if transport == "uds" else f"127.0.0.1:{self.ext_proc_port}"
 
     def pid(self, name: str) -> int:
         return self.group.pid(name)
@@ -151,10 +159,13 @@ async def start_stack(group: ProcessGroup, client: httpx.AsyncClient, args: Any,
     await group.start([worker_component(p, log_dir, args.sim_fixed_ms, args.sim_per_token_us) for p in ports])
     endpoints = [(HOST, p) for p in ports]
     worker_ids = [f"{HOST}:{p}" for p in ports]
-    log("[stack] control plane, ext_proc, Envoy (ADS, with the ext_proc filter), baseline Envoy (static, without)")
+    log(f"[stack] control plane, ext_proc, Envoy (ADS, with the ext_proc filter, to ext_proc over "
+        f"{args.transport.upper()}), baseline Envoy (static, without)")
     dp = DataPlanePorts.allocate(free_port)
+    uds = ext_proc_uds(log_dir)
     plan = plan_data_plane("inferlb_ext_proc", endpoints=endpoints, workdir=log_dir / "stack", ports=dp,
-                           request_timeout_s=REQUEST_TIMEOUT_S, envoy=envoy)
+                           request_timeout_s=REQUEST_TIMEOUT_S, envoy=envoy, ext_proc_uds=uds,
+                           envoy_ext_proc_uds=args.transport == "uds")
     await start_data_plane(plan, group, client, worker_ids)
     baseline = static_envoy(envoy, log_dir, "baseline", endpoints, ext_proc_port=None)
     await group.start([baseline.component])
@@ -175,11 +186,21 @@ async def start_stack(group: ProcessGroup, client: httpx.AsyncClient, args: Any,
         raise RuntimeError("the baseline Envoy's answer carries ext_proc's header: it is not a baseline")
     assert plan.envoy_admin_url is not None and plan.ext_proc_metrics_url is not None
     return Stack(log_dir, group, client, envoy, [f"http://{w}" for w in worker_ids], dp.ext_proc,
-                 plan.ext_proc_metrics_url, dp.listener, plan.envoy_admin_url, baseline.listener_port, dp.xds)
+                 plan.ext_proc_metrics_url, dp.listener, plan.envoy_admin_url, baseline.listener_port, dp.xds,
+                 uds, args.transport)
 
 
 async def _all_healthy(client: httpx.AsyncClient, admin_url: str, worker_ids: Sequence[str]) -> bool:
     return set(worker_ids) <= healthy_hosts((await client.get(f"{admin_url}/clusters")).text)
+
+
+def ext_proc_uds(log_dir: Path) -> Path:
+    """The stack's ext_proc listens here too (a Unix socket: short, so within sun_path's 107 bytes)."""
+    return log_dir / "ext_proc.sock"
+
+
+def trivial_uds(log_dir: Path) -> Path:
+    return log_dir / "trivial.sock"
 
 
 def fake_worker_bootstrap(listener_port: int, admin_port: int, answer: httpx.Response) -> dict[str, Any]:
@@ -226,8 +247,10 @@ def fake_worker(envoy: str, log_dir: Path, answer: httpx.Response) -> tuple[Comp
 
 
 def trivial_servicer(log_dir: Path) -> tuple[Component, int]:
-    """The trivial ExternalProcessor (``trivial.py``) as a component, and its gRPC port."""
+    """The trivial ExternalProcessor (``trivial.py``) as a component, and its gRPC port; it also listens on
+    the Unix socket ``trivial_uds(log_dir)``."""
     port, ready_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "inferlb.bench.ext_proc_bench.trivial", str(port), str(ready_port)]
+    argv = [sys.executable, "-m", "inferlb.bench.ext_proc_bench.trivial", str(port), str(ready_port),
+            str(trivial_uds(log_dir))]
     return Component(name="trivial-ext-proc", argv=argv, ready_url=f"http://127.0.0.1:{ready_port}/",
                      log_path=log_dir / "trivial-ext-proc.log", env=child_env(), ready_timeout_s=30.0), port

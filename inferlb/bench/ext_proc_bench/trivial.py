@@ -1,7 +1,7 @@
 """The floor: a trivial grpcio aio ExternalProcessor that parses each message and answers a constant.
 
-``python -m inferlb.bench.ext_proc_bench.trivial PORT READY_PORT``: gRPC on
-127.0.0.1:PORT; once it listens, 127.0.0.1:READY_PORT answers any HTTP request
+``python -m inferlb.bench.ext_proc_bench.trivial PORT READY_PORT [UDS_PATH]``: gRPC on
+127.0.0.1:PORT (and on the Unix socket UDS_PATH when given); once it listens, 127.0.0.1:READY_PORT answers any HTTP request
 with 200 (the ``ProcessGroup``'s readiness probe speaks HTTP, not gRPC). It
 runs on uvloop, ext_proc's default loop, so that the floor compares like with
 like. SIGTERM or SIGINT stops it.
@@ -15,7 +15,7 @@ import sys
 
 from ..ready import serve_ready
 
-async def serve(port: int, ready_port: int) -> None:
+async def serve(port: int, ready_port: int, uds_path: str | None = None) -> None:
     import grpc
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -35,6 +35,8 @@ async def serve(port: int, ready_port: int) -> None:
     server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(Trivial(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
+    if uds_path:
+        server.add_insecure_port(f"unix:{uds_path}")
     await server.start()
     ready = await serve_ready(ready_port)
     stop = asyncio.Event()
@@ -47,12 +49,12 @@ async def serve(port: int, ready_port: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or not all(a.isdigit() for a in argv):
-        print("usage: python -m inferlb.bench.ext_proc_bench.trivial PORT READY_PORT", file=sys.stderr)
+    if len(argv) not in (2, 3) or not all(a.isdigit() for a in argv[:2]):
+        print("usage: python -m inferlb.bench.ext_proc_bench.trivial PORT READY_PORT [UDS_PATH]", file=sys.stderr)
         return 2
     import uvloop
 
-    uvloop.run(serve(int(argv[0]), int(argv[1])))
+    uvloop.run(serve(int(argv[0]), int(argv[1]), argv[2] if len(argv) == 3 else None))
     return 0
 
 
