@@ -80,25 +80,10 @@ class PickChain:
             if type(outcome) is Reply:
                 return outcome
             request = outcome
-        for f in self.filters:
-            if not pool:
-                break
-            pool = f.filter(request, pool)
-        if pool:
-            if self._favouring:
-                keep = [e for s in self._favouring for e in s.favourites(request, pool)]  # type: ignore[attr-defined]
-                pool = self.sampler.sample(pool, keep)
-            else:
-                pool = self.sampler.sample(pool)
-            candidates = costing.candidates(request, pool)
-            if request.budget_s is not None:
-                candidates = within_budget(candidates, request.budget_s)
-        else:
-            candidates = []
-        for step in self.admit:
-            reply = step.admit(request, candidates)
-            if reply is not None:
-                return reply
+        candidates = self._candidates(request, pool, costing)
+        reply = self._admitted(request, candidates)
+        if reply is not None:
+            return reply
         if not candidates:
             return None
         single = self._single  # the common case, one scorer of weight 1: its scores are the totals
@@ -115,6 +100,38 @@ class PickChain:
                     plugin.decided(request, decision)  # type: ignore[attr-defined]
                 return decision
         raise LookupError(f"the picker chose {chosen}, which is not a candidate")
+
+    def screen(self, request: RequestView, pool: Sequence[EndpointView], costing: Costing) -> Reply | None:
+        """The admit plugins' answer to ``request`` as the fleet stands, without a pick and without resolving its
+        model (a rollout's split draws once, at the decision): a sheddable request about to wait in the fair
+        queue hears at once that it is shed, not after its wait."""
+        return self._admitted(request, self._candidates(request, pool, costing))
+
+    def _admitted(self, request: RequestView, candidates: Sequence[Candidate]) -> Reply | None:
+        """The first admit plugin's reply, or None: the request goes on to be picked."""
+        for step in self.admit:
+            reply = step.admit(request, candidates)
+            if reply is not None:
+                return reply
+        return None
+
+    def _candidates(self, request: RequestView, pool: Sequence[EndpointView], costing: Costing) -> list[Candidate]:
+        """filters -> sample -> cost -> budget."""
+        for f in self.filters:
+            if not pool:
+                return []
+            pool = f.filter(request, pool)
+        if not pool:
+            return []
+        if self._favouring:
+            keep = [e for s in self._favouring for e in s.favourites(request, pool)]  # type: ignore[attr-defined]
+            pool = self.sampler.sample(pool, keep)
+        else:
+            pool = self.sampler.sample(pool)
+        candidates = costing.candidates(request, pool)
+        if request.budget_s is not None:
+            candidates = within_budget(candidates, request.budget_s)
+        return candidates
 
     def new_view(self, routable: Sequence[EndpointView], catalogue: ModelCatalogue) -> None:
         """Tell the plugins that watch the view (once per view, before its decisions)."""

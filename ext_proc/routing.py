@@ -88,6 +88,13 @@ class Router:
             self.outstanding.begin(key, outcome.ranked[0], request.tokens, outcome.predicted_s)
         return outcome
 
+    def screen(self, request: RequestView, fleet: Sequence[EndpointView]) -> Reply | None:
+        """The chain's admit verdict on ``request`` now, with no pick made (``PickChain.screen``); the decision
+        still runs the whole chain later."""
+        if fleet is not self._fleet:
+            self._new_view(fleet)
+        return self.chain.screen(request, self._candidates, self.costing)
+
     def _new_view(self, fleet: Sequence[EndpointView]) -> None:
         """The head filters run once per view (their answer is the same until EDS changes)."""
         self._fleet = fleet

@@ -353,6 +353,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     gate = self.gate
                     # It will wait for its turn (tell Envoy); an unknown model's 404 never waits
                     if gate is not None and not gate.passes_now() and not self._unknown_model(counted):
+                        shed = self._shed_before_waiting(stream, counted)
+                        if shed is not None:
+                            yield shed
+                            continue
                         yield self._extend_timeout
                         refused = await self._wait_turn(gate, stream)
                         if refused is not None:
@@ -490,6 +494,23 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.metrics.model_answer(OTHER_MODEL, "404")
         return self._refusal(stream, Reply(404, "model_not_found", catalogue.unknown_message(name),
                                            type="invalid_request_error", param="model"))
+
+    def _shed_before_waiting(self, stream: _Stream, request: RequestView) -> bytes | None:
+        """A sheddable request the chain would shed is told so before it waits in the fair queue, where its
+        turn comes after every critical and standard request's (its 429 took seconds): the chain's admit
+        verdict on the fleet as it stands, no pick made. None: it waits, and is judged again when decided."""
+        if stream.priority is not Priority.SHEDDABLE:
+            return None
+        view = self.source.view
+        if view is None or not view.routable:
+            return None
+        request = self._with_caller(stream, request)
+        try:
+            reply = self.router.screen(request, view.endpoints)
+        except Exception:
+            log.exception("pick chain failed screening a sheddable request; it waits its turn")
+            return None
+        return self._reply(stream, request, reply) if reply is not None else None
 
     def _unknown_model(self, request: RequestView) -> bool:
         view = self.source.view

@@ -8,6 +8,9 @@ which runs the same chain code on its simulated clock.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import math
 import re
 
@@ -19,11 +22,15 @@ from ext_proc.offered_work import OfferedWork
 from ext_proc.policies import Shed
 from ext_proc.registry import PluginRegistry
 from ext_proc.routing import Router
+from ext_proc.server import ServiceSettings
+from ext_proc.tokens import TokenCounter
+from ext_proc.xds_client import static_view
 from inferlb.sim.runner import SimOptions, shedding_params, simulate
 from inferlb_runtime.pick_chain import ShedParams, chain_spec
 from inferlb_runtime.plugins import BadPolicyParams
 from inferlb_runtime.request_class import Priority
 
+from .test_ext_proc_service import exchange, request_body, request_headers, serving
 from .test_sim_classes_shedding import X, overloaded
 
 A, B = (EndpointView(f"127.0.0.1:{p}", "127.0.0.1", p) for p in (8301, 8302))
@@ -143,6 +150,48 @@ def test_the_router_tells_the_shed_plugin_each_decision_on_the_registrys_clock()
     assert isinstance(fifo.decide(1000, request(Priority.SHEDDABLE), fleet), Decision)
     clock.now += 30.0  # the burst is long past
     assert isinstance(router.decide(1001, request(Priority.SHEDDABLE), fleet), Decision)
+
+
+# --- through ext_proc's gRPC server: the fair queue ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def counter() -> TokenCounter:
+    return TokenCounter.from_package()
+
+
+def test_a_sheddable_request_is_shed_before_waiting_in_the_fair_queue(counter: TokenCounter) -> None:
+    """One request in flight fills the fair queue's depth (1): later ones wait their turn there. A sheddable
+    request the chain would shed hears its 429 at once, not after waiting behind every higher class; one the
+    chain would admit waits its turn (Envoy is told to wait longer: an answer with no response set)."""
+    SHEDDABLE = {"x-gateway-inference-objective": "sheddable"}
+
+    async def scenario(endpoint: EndpointView) -> str | None:
+        async with serving(counter, static_view([endpoint]), settings=ServiceSettings(fair_queue_depth=1)) as h:
+            first = h.stub.Process()
+            await exchange(first, request_headers())
+            assert (await exchange(first, request_body({"input": "in flight"}))).WhichOneof("response") \
+                == "request_body"
+            call = h.stub.Process()
+            await exchange(call, request_headers(SHEDDABLE))
+            answer = await exchange(call, request_body({"input": "a batch job"}))
+            which = answer.WhichOneof("response")
+            if which == "immediate_response":
+                assert answer.immediate_response.status.code == 429
+                assert json.loads(answer.immediate_response.body)["error"]["code"] == "overloaded"
+                assert h.servicer.gate.waiting == 0
+            else:
+                assert which is None and answer.override_message_timeout.seconds > 1
+            registry = h.servicer.metrics.registry
+            assert registry.get_sample_value("inferlb_ext_proc_fair_queue_wait_seconds_count",
+                                             {"how": "admitted"}) in (None, 0.0)
+            call.cancel()
+            first.cancel()
+            return which
+
+    busy = dataclasses.replace(A, telemetry={"inflight": 1000.0})  # seconds of queued work: over any SLO
+    assert asyncio.run(scenario(busy)) == "immediate_response"
+    assert asyncio.run(scenario(A)) is None  # predicted well within the SLO: it waits its turn
 
 
 # --- in the simulator -------------------------------------------------------------------------------------

@@ -33,7 +33,11 @@ def live_class_figures(outcome: LoadOutcome) -> dict[str, Any]:
         "sent": outcome.sent, "completed": outcome.completed, "shed": shed,
         "errors": outcome.errors - shed + outcome.timeouts, "timeouts": outcome.timeouts,
         "p50_s": s.p50_s if outcome.completed else None, "p99_s": s.p99_s if outcome.completed else None,
+        "shed_p50_s": outcome.refused.percentile(50) if shed else None,
         "shed_p99_s": outcome.refused.percentile(99) if shed else None,  # of every non-2xx: 429s, unless errors
+        # what the 429s' time holds of the client's own: how late it sent, against the schedule
+        "send_lag_p50_s": outcome.send_lag_p50_s, "send_lag_p99_s": outcome.send_lag_p99_s,
+        "client_cpu_s": round(outcome.client_cpu_s, 2),
         "goodput_rps": outcome.goodput_rps, "statuses": {str(k): v for k, v in sorted(outcome.statuses.items())},
     }
 

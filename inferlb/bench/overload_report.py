@@ -67,4 +67,11 @@ def render(report: dict[str, Any]) -> str:
             lines.append(f"| {run['run']} | {run['source']} | {name} | {c['sent']} | {c['completed']} "
                          f"| {ms(c['p50_s'])} | {ms(c['p99_s'])} | {c['shed']} | {c['errors']} "
                          f"| {c['goodput_rps']:.1f} |")
+    for run in report["runs"]:
+        sheddable = run["classes"].get("sheddable", {})
+        if run["source"] == "live" and sheddable.get("shed"):
+            lines.append(f"\n{run['run']}, live: the 429s p50 {ms(sheddable.get('shed_p50_s'))} ms, p99 "
+                         f"{ms(sheddable.get('shed_p99_s'))} ms from their scheduled send; the sheddable generator "
+                         f"sent p50 {ms(sheddable.get('send_lag_p50_s'))} ms, p99 {ms(sheddable.get('send_lag_p99_s'))}"
+                         " ms late")
     return "\n".join(lines) + "\n"
