@@ -182,7 +182,7 @@ def test_a_tiny_run_through_the_real_stack_hits_only_with_the_cache_on(out: Path
     assert p_off["sent"] == p_on["sent"]  # the same trace
     assert p_off["hit_ratio"] is None and 0 < p_on["hit_ratio"] < 1  # off: no lookup; on: the repeats
     assert "throughput at the SLO: off" in done.stdout and "a hit through Envoy: p50" in done.stdout
-    assert "cache on: a fresh stack" in done.stderr  # progress on stderr
+    assert "cache on: a fresh stack" in done.stderr and "each rate off and on back to back" in done.stderr
     v = report["verdicts"]
     assert done.returncode == (0 if v["ratio_met"] and v["hit_met"] else 1), done.stderr
     assert leftovers(str(out)) == []

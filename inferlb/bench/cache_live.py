@@ -1,5 +1,10 @@
-"""The live half of ``inferlb bench cache``: per mode (cache off, then on) one fresh stack of simulated
-workers, control plane, ext_proc and Envoy, the same load sweep and the same closed-loop series.
+"""The live half of ``inferlb bench cache``: per mode (cache off and on) one fresh stack of simulated
+workers, control plane, ext_proc and Envoy, the same closed-loop series and the same load sweep.
+
+Both stacks stay up for the whole sweep and each rate is measured in both modes back to back (which
+goes first alternates), so a busy spell on the host falls on both modes' figures for that rate rather
+than on one mode's whole sweep: the ratio is what the bench judges. A mode's sweep stops at its first
+rate that misses the SLO; the idle stack costs next to nothing meanwhile.
 
 Off means both levels' ``cache_max_bytes`` are 0 (ext_proc's and the workers'); on, ext_proc's is the
 plan's and the workers keep their default. The sweep's traces have the plan's repeats; each rate's
@@ -13,6 +18,7 @@ this bench measures.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -62,7 +68,7 @@ def build_sweep(plan: CachePlan, scenario: Scenario, capacity_rps: float) -> Swe
 
 
 class CacheRunner(ScenarioRunner):
-    """One mode's stack: the closed-loop series, then the sweep up to the first rate that misses the SLO."""
+    """One mode's stack: started, its closed-loop series, then one rate at a time as ``run_cache`` asks."""
 
     def __init__(self, plan: CachePlan, out_dir: Path, *, cache: bool, report: Report) -> None:
         super().__init__(cache_scenario(plan), out_dir, plans=(), progress=False, report=report)
@@ -70,22 +76,28 @@ class CacheRunner(ScenarioRunner):
         self.cache = cache
         if not cache:
             self.worker_env = {WORKER_CACHE_ENV: "0"}
+        self.group: ProcessGroup | None = None
+        self.dp: DataPlanePlan | None = None
+        self._processes = contextlib.AsyncExitStack()
 
     @property
     def mode(self) -> str:
         return "on" if self.cache else "off"
 
-    async def run(self, client: httpx.AsyncClient, sweep: Sweep) -> dict[str, Any]:
-        """Start the stack, measure, stop everything (also on errors)."""
+    async def start(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        """Start the stack (``stop`` stops it) and run the closed-loop series."""
         self._log.parent.mkdir(parents=True, exist_ok=True)
         size = self.plan.cache_max_bytes if self.cache else 0
-        dp = with_ext_proc_env(self._plan(CAPACITY_CONFIGURATION), {EXT_PROC_CACHE_ENV: str(size)})
-        async with ProcessGroup(report=self._log_line) as group:
-            await self._start(group, dp, client)
-            series = await self._series(dp)
-            group.check_alive()
-            points = await self._sweep(client, group, dp, sweep)
-        return {"cache": self.cache, "ext_proc_cache_max_bytes": size, "hit_series": series, "sweep": points}
+        self.dp = with_ext_proc_env(self._plan(CAPACITY_CONFIGURATION), {EXT_PROC_CACHE_ENV: str(size)})
+        self.group = await self._processes.enter_async_context(ProcessGroup(report=self._log_line))
+        await self._start(self.group, self.dp, client)
+        series = await self._series(self.dp)
+        self.group.check_alive()
+        return series
+
+    async def stop(self) -> None:
+        """Stop every process of the stack (again: nothing)."""
+        await self._processes.aclose()
 
     async def _series(self, dp: DataPlanePlan) -> dict[str, Any]:
         """One body sent back to back: ``hit_warmup`` requests, then ``hit_requests`` timed ones."""
@@ -118,60 +130,81 @@ class CacheRunner(ScenarioRunner):
                     + f", all p50 {figures['all_p50_ms']:.2f} ms")
         return figures
 
-    async def _sweep(self, client: httpx.AsyncClient, group: ProcessGroup, dp: DataPlanePlan,
-                     sweep: Sweep) -> list[dict[str, Any]]:
-        plan = self.plan
-        assert dp.ext_proc_metrics_url is not None
+    async def measure(self, client: httpx.AsyncClient, load: float, rps: float, trace: Trace,
+                      bodies: list[bytes]) -> dict[str, Any]:
+        """One rate of the sweep, from idle workers; its figures and the hits ext_proc counted over it."""
+        plan, group, dp = self.plan, self.group, self.dp
+        assert group is not None and dp is not None and dp.ext_proc_metrics_url is not None
         metrics_url = f"{dp.ext_proc_metrics_url}/metrics"
-        points = []
-        for load, rps, trace, bodies in sweep:
-            await self._wait_idle(client, group)
-            before = cache_counts((await client.get(metrics_url)).text)
-            outcome = await run_load(dp.url, trace, bodies, slo_s=plan.slo_s,
-                                     timeout_s=plan.timeout_s + CLIENT_GRACE_S, warmup_s=plan.warmup_s,
-                                     progress=False)
-            group.check_alive()
-            after = cache_counts((await client.get(metrics_url)).text)
-            s = outcome.histogram.summary()
-            measured = trace.window(plan.warmup_s)
-            fleet = self.scenario.fleet
-            share = repeat_work_share(trace.tokens[measured], trace.repeat_of[measured], fleet.fixed_s,
-                                      fleet.per_token_s)
-            point = {"load": load, "rps": round(rps, 2), "sent": outcome.sent, "completed": outcome.completed,
-                     "errors": outcome.errors, "timeouts": outcome.timeouts, "p50_s": round(s.p50_s, 4),
-                     "p99_s": round(s.p99_s, 4), "hit_ratio": hit_ratio(before, after), "repeat_work_share": share,
-                     "statuses": {str(k): v for k, v in sorted(outcome.statuses.items())},
-                     "client_cpu_s": round(outcome.client_cpu_s, 2), "send_lag_p99_s": round(outcome.send_lag_p99_s, 4)}
-            points.append(point)
-            ok = meets(point, plan.slo_s)
-            hits = f", hits {point['hit_ratio']:.0%}" if point["hit_ratio"] is not None else ""
-            self.report(f"  cache {self.mode}: {load:.2f} x capacity = {rps:.1f} req/s: p99 "
-                        f"{s.p99_s * 1e3:.0f} ms, {outcome.errors} errors, {outcome.timeouts} timeouts{hits}: "
-                        + ("met" if ok else "missed the SLO, the sweep stops"))
-            if not ok:
-                break
-        return points
+        await self._wait_idle(client, group)
+        before = cache_counts((await client.get(metrics_url)).text)
+        outcome = await run_load(dp.url, trace, bodies, slo_s=plan.slo_s, timeout_s=plan.timeout_s + CLIENT_GRACE_S,
+                                 warmup_s=plan.warmup_s, progress=False)
+        group.check_alive()
+        after = cache_counts((await client.get(metrics_url)).text)
+        s = outcome.histogram.summary()
+        measured = trace.window(plan.warmup_s)
+        fleet = self.scenario.fleet
+        share = repeat_work_share(trace.tokens[measured], trace.repeat_of[measured], fleet.fixed_s, fleet.per_token_s)
+        point = {"load": load, "rps": round(rps, 2), "sent": outcome.sent, "completed": outcome.completed,
+                 "errors": outcome.errors, "timeouts": outcome.timeouts, "p50_s": round(s.p50_s, 4),
+                 "p99_s": round(s.p99_s, 4), "hit_ratio": hit_ratio(before, after), "repeat_work_share": share,
+                 "statuses": {str(k): v for k, v in sorted(outcome.statuses.items())},
+                 "client_cpu_s": round(outcome.client_cpu_s, 2), "send_lag_p99_s": round(outcome.send_lag_p99_s, 4)}
+        hits = f", hits {point['hit_ratio']:.0%}" if point["hit_ratio"] is not None else ""
+        self.report(f"  cache {self.mode}: {load:.2f} x capacity = {rps:.1f} req/s: p99 "
+                    f"{s.p99_s * 1e3:.0f} ms, {outcome.errors} errors, {outcome.timeouts} timeouts{hits}: "
+                    + ("met" if meets(point, plan.slo_s) else "missed the SLO, its sweep stops"))
+        return point
 
 
 async def run_cache(plan: CachePlan, out: Path, report: Report) -> dict[str, Any]:
-    """Both modes, cache off first, on the same traces; a mode that fails is recorded and the other still runs."""
+    """Both stacks up, the series in each, then every rate off and on back to back until both modes have
+    missed the SLO; a mode that fails is recorded and the other goes on."""
     from .dataplanes.launch import DataPlaneError
     from .processes import ComponentDied
 
+    failed = (DataPlaneError, ComponentDied, RuntimeError, TimeoutError, httpx.HTTPError)
     scenario = cache_scenario(plan)
     capacity = theoretical_capacity_rps(scenario)
     sweep = await asyncio.to_thread(build_sweep, plan, scenario, capacity)
-    modes: dict[str, Any] = {}
+    runners = [CacheRunner(plan, out / f"cache-{mode}", cache=mode == "on", report=report) for mode in ("off", "on")]
+    modes: dict[str, Any] = {r.mode: {"cache": r.cache, "ext_proc_cache_max_bytes": plan.cache_max_bytes if r.cache
+                                      else 0, "hit_series": {"requests": 0, "hits": 0}, "sweep": []} for r in runners}
     failures: list[dict[str, str]] = []
-    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client:
-        for index, cache in enumerate((False, True), 1):
-            runner = CacheRunner(plan, out / f"cache-{'on' if cache else 'off'}", cache=cache, report=report)
+
+    def fail(runner: CacheRunner, exc: BaseException) -> None:
+        report(f"  FAILED: cache {runner.mode}: {exc}")
+        failures.append({"mode": runner.mode, "error": str(exc)})
+
+    async def done(runner: CacheRunner) -> None:
+        active.remove(runner)
+        await runner.stop()  # its sweep is over: the host is the other mode's
+
+    active: list[CacheRunner] = []
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client, contextlib.AsyncExitStack() as stack:
+        for index, runner in enumerate(runners, 1):
+            stack.push_async_callback(runner.stop)  # also on errors and interrupts
             report(f"[{index}/2] cache {runner.mode}: a fresh stack")
             try:
-                modes[runner.mode] = await runner.run(client, sweep)
-            except (DataPlaneError, ComponentDied, RuntimeError, TimeoutError, httpx.HTTPError) as exc:
-                report(f"  FAILED: cache {runner.mode}: {exc}")
-                failures.append({"mode": runner.mode, "error": str(exc)})
-                modes[runner.mode] = {"cache": cache, "hit_series": {"requests": 0, "hits": 0}, "sweep": []}
+                modes[runner.mode]["hit_series"] = await runner.start(client)
+                active.append(runner)
+            except failed as exc:
+                fail(runner, exc)
+                await runner.stop()
+        report("the sweep: each rate off and on back to back")
+        for i, (load, rps, trace, bodies) in enumerate(sweep):
+            if not active:
+                break
+            for runner in (list(active) if i % 2 == 0 else active[::-1]):  # done() shrinks active
+                try:
+                    point = await runner.measure(client, load, rps, trace, bodies)
+                except failed as exc:
+                    fail(runner, exc)
+                    await done(runner)
+                    continue
+                modes[runner.mode]["sweep"].append(point)
+                if not meets(point, plan.slo_s):
+                    await done(runner)
     return {"capacity_rps": round(capacity, 2), "capacity_source": "the simulated workers' cost model",
             "plan": dataclasses.asdict(plan), **modes, "failures": failures}
