@@ -126,6 +126,9 @@ _HOT_COUNTERS = {
     "parse_failures": (f"{PREFIX}parse_failures", "Inputs that could not be parsed, by what.", "what",
                        ("request_body", "request_headers", "server_timing", "orca", "tokens_header")),
     "responses": (f"{PREFIX}responses", "Upstream responses seen, by status class.", "code", ()),
+    "served": (f"{PREFIX}served_elsewhere", "Responses served by another endpoint than the primary pick (the "
+               "data plane walked down the fallback list, or retried elsewhere), as the data plane reported it.",
+               "by", ("fallback",)),
     "released": (f"{PREFIX}released",
                  "Outstanding entries released: at the response, early (the stream was cancelled or closed "
                  "first: client gone, upstream reset) or on an error.", "how", ("response", "early", "error")),

@@ -76,14 +76,17 @@ class Router:
         return self.chain.resolve(request)
 
     def decide(self, key: int, request: RequestView, fleet: Sequence[EndpointView],
-               resolved: bool = False) -> Decision | Reply | None:
+               resolved: bool = False, allowed: Callable[[str], bool] | None = None) -> Decision | Reply | None:
         """Run the chain (``resolved``: :meth:`resolve` already ran on ``request`` against this catalogue). A
         decision's predicted work counts as outstanding on its primary (under ``key``) until :meth:`release`.
+        ``allowed``: the data plane's subset hint (by endpoint id); it replaces the partition, since the
+        data plane, not this replica's share, says which endpoints this request may use.
         Plugins' exceptions are contained by their guards; a built-in's propagates (the caller counts it and
         fails open)."""
         if fleet is not self._fleet:
             self._new_view(fleet)
-        outcome = self.chain.decide(request, fleet, self._candidates, self.costing, resolved)
+        pool = self._candidates if allowed is None else [e for e in self._routable if allowed(e.id)]
+        outcome = self.chain.decide(request, fleet, pool, self.costing, resolved)
         if type(outcome) is Decision:
             self.outstanding.begin(key, outcome.ranked[0], request.tokens, outcome.predicted_s)
         return outcome

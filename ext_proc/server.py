@@ -48,6 +48,15 @@ sends that one body (BUFFERED_PARTIAL: never failed for its size), which is
 stored, and only then does the stream end. Every other response costs nothing
 more than its ``x-inferlb-cache: miss`` header.
 
+FULL_DUPLEX_STREAMED (the Endpoint Picker Protocol's mode, GIE gateways; docs/epp.md):
+Envoy says so in the first message's ``protocol_config``. The request-headers
+answer is held; body chunks are gathered (under the same cap) until the last
+one or the trailers; the decision then goes out as the headers' answer, and
+the body back in ``streamed_response`` chunks. Response chunks pass through;
+learning and the release wait for the response's end. The data plane's subset
+hint (request metadata) bounds the candidates (503 when none is eligible), and
+the endpoint it reports as served is the one learnt for.
+
 Whatever ends the stream (the response, a client disconnect, an upstream
 reset, Envoy cancelling), the request is released exactly once: a
 ``finally`` calls the idempotent ``Router.release``. When ext_proc cannot
@@ -108,6 +117,10 @@ from .xds_client import FleetView, PickPolicySpec, ViewSource
 
 log = logging.getLogger("inferlb.ext_proc")
 
+# The Endpoint Picker Protocol's answer when the data plane's subset hint leaves nothing eligible.
+NO_ENDPOINT_IN_SUBSET = Reply(503, "no_endpoint_in_subset", "None of the endpoints this gateway allows for the "
+                              "request (its subset hint) is ready. Retry later.", retry_after_s=1)
+
 @dataclass(frozen=True)
 class ServiceSettings:
     """What the servicer needs from the configuration."""
@@ -147,7 +160,8 @@ class _Stream:
 
     __slots__ = ("key", "headers", "body", "body_bytes", "pick", "tokens", "predicted_s", "priority", "deadline",
                  "caller", "quota", "forwarded", "outcome", "mutation", "started", "version", "decided",
-                 "cache_key", "cache_version", "resolved", "filling", "span")
+                 "cache_key", "cache_version", "resolved", "filling", "span", "held", "response_streamed",
+                 "subset", "ending")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -172,6 +186,12 @@ class _Stream:
         self.resolved: object = None  # the catalogue its model was resolved against before the decision
         self.filling: tuple[str, str] | None = None  # (content-type, version) of the answer being stored
         self.span: trace.Span | None = None  # its trace span, while tracing is on (spans.py)
+        # FULL_DUPLEX_STREAMED (the Endpoint Picker Protocol's mode; Envoy says so in protocol_config): the
+        # request-headers answer is held until the body is in and decided; the response body passes through.
+        self.held = False
+        self.response_streamed = False
+        self.subset: wire.Subset | None = None  # the data plane's subset hint, when it sent one
+        self.ending: tuple[str, Mapping[str, str], str] | None = None  # learnt at the response's end (streamed)
 
     @property
     def request_id(self) -> str | None:
@@ -326,19 +346,24 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                 else:
                     request, raw = raw, None
                 kind = request.WhichOneof("request")
-                if kind == "request_body":
-                    message = request.request_body
-                    stream.body_bytes += len(message.body)
+                if kind == "request_body" or (kind == "request_trailers" and stream.held):
+                    if kind == "request_body":
+                        message = request.request_body
+                        chunk, last = message.body, message.end_of_stream
+                    else:  # FULL_DUPLEX_STREAMED: trailers end a body whose last chunk did not say so
+                        chunk, last = b"", True
+                    stream.body_bytes += len(chunk)
                     if stream.body_bytes > self.settings.max_body_bytes:  # never buffer past Envoy's limit
                         stream.body = []
                         self.metrics.count("fallbacks", "body_too_large")
                         yield self._too_large
                         return  # the immediate response ends the request
-                    if not message.end_of_stream:  # BUFFERED sends one message; tolerate chunks anyway
-                        stream.body.append(message.body)
-                        yield wire.CONTINUE_BODY
+                    if not last:  # BUFFERED sends one message (chunks tolerated); FULL_DUPLEX_STREAMED many
+                        stream.body.append(chunk)
+                        if not stream.held:  # held: nothing is answered until the decision
+                            yield wire.CONTINUE_BODY
                         continue
-                    body = b"".join((*stream.body, message.body)) if stream.body else message.body
+                    body = b"".join((*stream.body, chunk)) if stream.body else chunk
                     stream.body = []
                     counted = await self._count_and_check(stream, body)
                     if type(counted) is bytes:  # refused: over its quota
@@ -362,20 +387,50 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         if refused is not None:
                             yield refused
                             continue
+                    if stream.held:
+                        for answer in self._release_held(stream, counted, body, kind == "request_body"):
+                            yield answer
+                        continue
                     yield self._decide(stream, counted, False)
                 elif kind == "request_headers":
                     if tracing is not None:
                         stream.span = start_span(tracing, context, request.request_headers)
+                    if request.HasField("protocol_config"):  # the stream's first message: how Envoy sends bodies
+                        stream.held = request.protocol_config.request_body_mode == wire.FULL_DUPLEX
+                        stream.response_streamed = request.protocol_config.response_body_mode == wire.FULL_DUPLEX
+                    if request.HasField("metadata_context"):
+                        stream.subset = wire.subset_hint(request.metadata_context)
                     answer = self._on_request_headers(stream, request.request_headers, raw)
                     if answer is None:  # no body (GET): decide now (never queued: it costs nothing)
                         counted = await self._count_and_check(stream, b"")
                         answer = counted if type(counted) is bytes else (
                             self._list_models(stream) or self._decide(stream, counted, True))
+                    elif not answer:
+                        continue  # held: answered with the decision, once the body is in
                     yield answer
                 elif kind == "response_headers":
+                    if stream.response_streamed:
+                        stream.body_bytes = 0  # from now on: the response's, if it is being cached
                     yield self._on_response_headers(stream, request)
-                    if stream.filling is None:
+                    if stream.response_streamed:
+                        if request.response_headers.end_of_stream:  # no body is coming
+                            self._end_response(stream)
+                            return
+                    elif stream.filling is None:
                         return  # nothing else is configured to come: close now, do not wait for Envoy's half-close
+                elif kind == "response_body" and stream.response_streamed:
+                    message = request.response_body
+                    if stream.filling is not None:
+                        self._collect(stream, message.body)
+                    if message.end_of_stream:
+                        self._end_response(stream)
+                    yield wire.streamed(wire.T_RESPONSE_BODY, message.body, message.end_of_stream)
+                    if message.end_of_stream:
+                        return
+                elif kind == "response_trailers" and stream.response_streamed:
+                    self._end_response(stream)
+                    yield wire.PASS_THROUGH["response_trailers"]
+                    return
                 elif kind == "response_body" and stream.filling is not None:
                     self._fill(stream, request.response_body)
                     yield wire.PASS_THROUGH["response_body"]
@@ -459,8 +514,25 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             mutation += self._class_entries[priority]
         if message.end_of_stream:  # no body is coming (GET): decide now (or list the models)
             stream.mutation = mutation
+            stream.held = False
             return None
+        if stream.held:  # FULL_DUPLEX_STREAMED: the mutation goes with the decision (b"": nothing to send yet)
+            stream.mutation = mutation
+            return b""
         return wire.request_headers_answer(mutation)
+
+    def _release_held(self, stream: _Stream, request: RequestView, body: bytes, body_ended: bool) -> list[bytes]:
+        """FULL_DUPLEX_STREAMED: the decision as the request-headers answer (the pick header, ``envoy.lb``
+        metadata, the held mutation), then the body sent back to Envoy (which forwards only what comes back),
+        then the trailers' answer if trailers ended it; or only the refusal (an ImmediateResponse)."""
+        stream.held = False
+        answer = self._decide(stream, request, True)
+        if answer.startswith(wire.T_IMMEDIATE):
+            return [answer]
+        answers = [answer, *wire.streamed_body(body, body_ended)]
+        if not body_ended:
+            answers.append(wire.PASS_THROUGH["request_trailers"])
+        return answers
 
     def _list_models(self, stream: _Stream) -> bytes | None:
         """``GET /v1/models`` (or ``/v1/models/{id}``) answered from the catalogue; None for any other request,
@@ -602,8 +674,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self.metrics.count("fallbacks", "estimated_tokens")
             self.metrics.count("parse_failures", "request_body")
         request = self._with_caller(stream, request)
+        allowed = stream.subset.allows if stream.subset is not None else None
+        if allowed is not None and not any(allowed(e.id) for e in view.routable):
+            return self._reply(stream, request, NO_ENDPOINT_IN_SUBSET)
         try:
-            outcome = self.router.decide(stream.key, request, view.endpoints, stream.resolved is view.catalogue)
+            outcome = self.router.decide(stream.key, request, view.endpoints, stream.resolved is view.catalogue,
+                                         allowed)
         except Exception:
             log.exception("pick chain failed; letting Envoy's fallback route the request")
             self.metrics.count("fallbacks", "policy_error")
@@ -612,6 +688,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if type(outcome) is Decision:
             stream.forwarded = True
             return self._with_pick(stream, view, request, outcome, headers_phase, mutation)
+        if outcome is None and allowed is not None:  # failing open could go outside the subset
+            return self._reply(stream, request, NO_ENDPOINT_IN_SUBSET)
         if outcome is None:  # view.routable is not empty (checked above): the chain ranked none
             self.metrics.count("fallbacks", "no_decision")
             stream.forwarded = True
@@ -689,13 +767,16 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def _fill(self, stream: _Stream, message: pb.HttpBody) -> None:
         """Store the worker's answer (whole: a body over Envoy's buffer limit comes in part, and is not)."""
+        if message.end_of_stream:
+            self._store(stream, bytes(message.body))
+        stream.filling = None
+
+    def _store(self, stream: _Stream, body: bytes) -> None:
         assert stream.filling is not None and stream.cache_key is not None and self.cache is not None
         content_type, version = stream.filling
         stream.filling = None
-        if not message.end_of_stream:
-            return
         evictions = self.cache.evictions
-        response = CachedResponse(bytes(message.body), content_type, version)
+        response = CachedResponse(body, content_type, version)
         if self.cache.put(stream.cache_key, response):
             self.metrics.cache_state("memory", self.cache.bytes, self.cache.evictions - evictions)
         if self.shared_cache is not None:  # off the stream: it is ending, and Redis is a round trip away
@@ -757,13 +838,44 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             stream.span.set_attribute("http.response.status_code", int(status) if status.isdigit() else 0)
         limits = self._limit_entries(stream.quota)
         stream.filling = fill = self._fillable(stream, headers, status)
-        read_body = fill is not None
+        read_body = fill is not None and not stream.response_streamed  # streamed: the body comes anyway
         if stream.pick is None:
             return wire.response_headers_answer(None, 0, 0.0, limits, read_body)
-        served_by = wire.served_by(request) or stream.pick
+        served_by = wire.served_by(request, self.settings.pick_metadata_namespace) or stream.pick
+        if served_by != stream.pick:  # Envoy walked down the fallback list (or retried elsewhere)
+            self.metrics.count("served", "fallback")
         self.metrics.count("responses", f"{status[:1]}xx" if status else "unknown")
         served = self._model_label(headers.get(MODEL_HEADER) or stream.version)  # the version that served
         self.metrics.model_answer(served, status, time.perf_counter() - stream.decided)
+        if stream.response_streamed:  # learnt, and released, when the body has passed
+            stream.ending = (served_by, headers, served)
+        else:
+            self._finish(stream, served_by, headers, served)
+        if not self.settings.response_headers:
+            return wire.response_headers_answer(None, 0, 0.0, limits, read_body)
+        return wire.response_headers_answer(served_by, stream.tokens, stream.predicted_s, limits, read_body)
+
+    def _end_response(self, stream: _Stream) -> None:
+        """FULL_DUPLEX_STREAMED: the response's body has passed (its end, or its trailers): learn and release,
+        and store it if it is to be cached."""
+        if stream.ending is not None:
+            self._finish(stream, *stream.ending)
+            stream.ending = None
+        if stream.filling is not None:
+            self._store(stream, b"".join(stream.body))
+        stream.body = []
+
+    def _collect(self, stream: _Stream, chunk: bytes) -> None:
+        """FULL_DUPLEX_STREAMED: keep a chunk of a response being cached; past the per-entry cap it is not."""
+        stream.body.append(chunk)
+        stream.body_bytes += len(chunk)
+        assert self.cache is not None
+        if not self.cache.fits(stream.body_bytes):
+            stream.filling, stream.body = None, []
+
+    def _finish(self, stream: _Stream, served_by: str, headers: Mapping[str, str], served: str) -> None:
+        """Learn from the response (2xx only) of the endpoint that served it, and release the request."""
+        status = headers.get(":status", "")
         learned = self._learn(stream, served_by, headers, served if served != OTHER_MODEL else None) \
             if status.startswith("2") else None
         if stream.span is not None:
@@ -775,9 +887,6 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             self.metrics.count("released", "response")
             if self.gate is not None:
                 self.gate.notify()
-        if not self.settings.response_headers:
-            return wire.response_headers_answer(None, 0, 0.0, limits, read_body)
-        return wire.response_headers_answer(served_by, stream.tokens, stream.predicted_s, limits, read_body)
 
     @staticmethod
     def _limit_entries(outcome: QuotaOutcome | None) -> bytes:

@@ -30,8 +30,15 @@ def server_options(max_message_bytes: int, reuse_port: bool = False) -> list[tup
     ]
 
 
+# The Endpoint Picker Protocol's health services (docs/epp.md): ``liveness`` answers SERVING as long as the
+# process does; ``readiness``, the ext_proc service and the server ("") follow the view.
+LIVENESS = "liveness"
+READINESS = "readiness"
+
+
 class HealthReporter:
-    """grpc.health.v1: NOT_SERVING until the first EDS view, then SERVING; NOT_SERVING while stopping."""
+    """grpc.health.v1: NOT_SERVING until the first EDS view, then SERVING; NOT_SERVING while stopping.
+    ``liveness`` is SERVING from the start."""
 
     def __init__(self, source: ViewSource) -> None:
         self.servicer = health_aio.HealthServicer()
@@ -40,6 +47,7 @@ class HealthReporter:
         source.add_listener(self._on_view)
 
     async def start(self, ready: bool) -> None:
+        await self.servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._set_all(health_pb2.HealthCheckResponse.SERVING if ready
                             else health_pb2.HealthCheckResponse.NOT_SERVING)
         self._serving = ready
@@ -52,7 +60,7 @@ class HealthReporter:
             task.add_done_callback(self._tasks.discard)
 
     async def _set_all(self, status: int) -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", SERVICE_NAME, READINESS):
             await self.servicer.set(service, status)
 
     async def stop(self) -> None:

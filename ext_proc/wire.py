@@ -12,6 +12,7 @@ headers only the few ext_proc learns from are read (``read_response``).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +47,14 @@ ORCA_HEADER = "endpoint-load-metrics"
 # Envoy's attribute for the host that actually served (after retries), if the filter asks for it.
 UPSTREAM_ATTRIBUTE = "upstream.address"
 EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+# The Endpoint Picker Protocol's other keys (docs/epp.md): the candidates the data plane allows (filter metadata
+# sent with the request headers) and the endpoint that served (in the pick's namespace, with the response).
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+# The largest body chunk ext_proc sends back in FULL_DUPLEX_STREAMED (Envoy recommends at most 64 KiB).
+STREAMED_CHUNK_BYTES = 64 * 1024
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 # --- protobuf wire format, for the answers built per request ---------------------------------------
@@ -69,7 +78,13 @@ assert _T_COMMON == _tag(pb.HeadersResponse, "response")
 T_REQUEST_HEADERS = _tag(pb.ProcessingResponse, "request_headers")
 T_REQUEST_BODY = _tag(pb.ProcessingResponse, "request_body")
 T_RESPONSE_HEADERS = _tag(pb.ProcessingResponse, "response_headers")
+T_RESPONSE_BODY = _tag(pb.ProcessingResponse, "response_body")
+T_IMMEDIATE = _tag(pb.ProcessingResponse, "immediate_response")
 _T_DYNAMIC_METADATA = _tag(pb.ProcessingResponse, "dynamic_metadata")
+_T_BODY_MUTATION = _tag(pb.CommonResponse, "body_mutation")
+_T_STREAMED_RESPONSE = _tag(pb.BodyMutation, "streamed_response")
+_T_STREAMED_BODY = _tag(pb.StreamedBodyResponse, "body")
+_STREAMED_EOS = varint(pb.StreamedBodyResponse.DESCRIPTOR.fields_by_name["end_of_stream"].number << 3) + b"\x01"
 
 
 def option_prefix(key: str) -> bytes:
@@ -93,6 +108,24 @@ def phase(tag: bytes, set_headers: bytes) -> bytes:
     """A ProcessingResponse answering one phase (``tag``) with these ``set_headers`` (and ``remove_headers``)
     entries."""
     return len_field(tag, len_field(_T_COMMON, len_field(_T_HEADER_MUTATION, set_headers)))
+
+
+def streamed(tag: bytes, body: bytes, end_of_stream: bool) -> bytes:
+    """A FULL_DUPLEX_STREAMED body answer (``tag``: request or response body): this chunk, sent on as it is.
+    In that mode Envoy forwards only what comes back, so every chunk must be echoed."""
+    inner = (len_field(_T_STREAMED_BODY, body) if body else b"") + (_STREAMED_EOS if end_of_stream else b"")
+    return len_field(tag, len_field(_T_COMMON, len_field(_T_BODY_MUTATION, len_field(_T_STREAMED_RESPONSE, inner))))
+
+
+def streamed_body(body: bytes, end_of_stream: bool) -> list[bytes]:
+    """The whole request body, held until the decision, echoed in chunks of at most
+    :data:`STREAMED_CHUNK_BYTES` (the last one carrying ``end_of_stream``)."""
+    if len(body) <= STREAMED_CHUNK_BYTES:
+        return [streamed(T_REQUEST_BODY, body, end_of_stream)]
+    view = memoryview(body)
+    starts = range(0, len(body), STREAMED_CHUNK_BYTES)
+    return [streamed(T_REQUEST_BODY, bytes(view[i:i + STREAMED_CHUNK_BYTES]),
+                     end_of_stream and i == starts[-1]) for i in starts]
 
 
 def header_entries(headers: Sequence[tuple[str, str]]) -> bytes:
@@ -391,17 +424,62 @@ def read_response(headers: Mapping[str, str]) -> Learned:
     return learned
 
 
-def served_by(request: pb.ProcessingRequest) -> str | None:
-    """The id of the host that answered, if Envoy sends the ``upstream.address`` attribute (after a retry
-    it is not the primary pick). Envoy writes ``[ip]:port`` for IPv6; the fleet view's ids do not bracket,
-    so the attribute is mapped to the id (else an IPv6 worker's responses would teach nothing)."""
-    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES_KEY)
-    if attributes is None:
-        return None
-    value = attributes.fields.get(UPSTREAM_ATTRIBUTE)
+def served_by(request: pb.ProcessingRequest, namespace: str) -> str | None:
+    """The id of the host that answered (after a retry or a walk down the fallback list it is not the primary
+    pick): the protocol's ``x-gateway-destination-endpoint-served`` in ``namespace`` when the data plane
+    reports it (override_host's ``selected_host_key``), else Envoy's ``upstream.address`` attribute. Both
+    write ``[ip]:port`` for IPv6; the fleet view's ids do not bracket, so the value is mapped to the id (else
+    an IPv6 worker's responses would teach nothing). None when neither is there, or not ``ip:port``."""
+    value = None
+    if request.HasField("metadata_context"):
+        reported = request.metadata_context.filter_metadata.get(namespace)
+        if reported is not None:
+            value = reported.fields.get(SERVED_KEY)
+    if value is None:
+        attributes = request.attributes.get(EXT_PROC_ATTRIBUTES_KEY)
+        if attributes is None:
+            return None
+        value = attributes.fields.get(UPSTREAM_ATTRIBUTE)
     if value is None or not value.string_value:
         return None
     try:
         return id_of_authority(value.string_value)
     except ValueError:  # not ip:port (a pipe, an internal address): fall back to the pick
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class Subset:
+    """The data plane's subset hint: only these endpoints may be picked. Entries are ``ip:port`` (``[ip]:port``)
+    or a bare ``ip`` (any port of it, as GIE's reference picker reads one); anything else matches nothing."""
+
+    ids: frozenset[str]
+    hosts: frozenset[str]
+
+    def allows(self, endpoint_id: str) -> bool:
+        return endpoint_id in self.ids or (bool(self.hosts) and endpoint_id.rpartition(":")[0] in self.hosts)
+
+
+def subset_hint(metadata: base_pb2.Metadata) -> Subset | None:
+    """The subset in ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset`` (a list of strings,
+    or one comma-separated string); None when the key is not set. A value of another type is an empty subset:
+    the protocol forbids picking outside a subset the data plane set, so it is answered 503, never ignored."""
+    namespace = metadata.filter_metadata.get(SUBSET_NAMESPACE)
+    value = namespace.fields.get(SUBSET_KEY) if namespace is not None else None
+    if value is None:
+        return None
+    kind = value.WhichOneof("kind")
+    texts = [value.string_value] if kind == "string_value" else \
+        [v.string_value for v in value.list_value.values] if kind == "list_value" else []
+    ids, hosts = set(), set()
+    for text in texts:
+        for entry in text.split(","):
+            entry = entry.strip()
+            try:
+                ids.add(id_of_authority(entry))
+            except ValueError:
+                try:
+                    hosts.add(str(ipaddress.ip_address(entry.strip("[]"))))
+                except ValueError:
+                    continue  # a host name or garbage: matches no endpoint
+    return Subset(frozenset(ids), frozenset(hosts))
