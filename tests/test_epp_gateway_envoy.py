@@ -113,7 +113,8 @@ def pool(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
 
 def use_pick_policy(pool: Pool, name: str, fallbacks: int) -> None:
     """Set the fleet's pick policy (the control plane's admin API, to ext_proc by EDS) and wait until ext_proc
-    runs it. Each test names a different policy from the one before, so the gauge tells when it applied."""
+    runs it. Each test names its own policy, none the default (least_completion_time), so the gauge tells
+    when the new parameters applied, whatever order the tests run in."""
     with http() as client:
         response = client.put(f"{pool.cp.admin_url}/v1/policy", json={"pick": {"name": name, "params": {
             "fallbacks": fallbacks}}}, headers={"authorization": f"Bearer {pool.cp.admin_token()}"})
@@ -163,7 +164,7 @@ def test_subset_hint_restricts_the_pick_and_an_empty_one_is_503(pool: Pool) -> N
 
 def test_original_dst_gateway_routes_to_the_single_endpoint_the_epp_names(pool: Pool) -> None:
     """GIE's test gateway: ORIGINAL_DST dials the address in the header, so the EPP names one endpoint."""
-    use_pick_policy(pool, "least_completion_time", 0)
+    use_pick_policy(pool, "least_outstanding", 0)  # not the default's name: the gauge says when it applied
     with running_gateway(pool.log_dir, "original-dst", epp_port=pool.ext_proc.port, cluster="original_dst",
                          subset_from_header=True) as gateway:
         for i in range(4):  # the subset keeps the dead endpoint out: ORIGINAL_DST has nothing to walk to
