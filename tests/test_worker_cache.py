@@ -5,6 +5,7 @@ any sleep): a follower whose leader's client leaves computes the input itself.""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -162,6 +163,35 @@ def test_an_input_joins_only_a_computation_of_its_own_class_or_a_better_one() ->
             assert [r.vectors.tolist() for r in results[1:]] == [[[2.0, 7.0]]] * 3
             assert recorder.results == {"hit": 0, "miss": 3, "coalesced": 1}
             assert embedder.inflight_keys == 0
+
+    asyncio.run(main())
+
+
+def test_an_input_joins_only_a_computation_whose_deadline_is_no_later_than_its_own() -> None:
+    """The input a follower waits for must start, if ever, before the follower's own deadline."""
+
+    async def main() -> None:
+        engine = GatedEngine()
+        async with gated_embedder(engine) as (embedder, recorder):
+            blocker = await busy(embedder, engine)
+            far = time.perf_counter() + 3600
+            late = asyncio.ensure_future(embedder.embed([[7, 7]], model="m", deadline=far + 60))
+            await until(lambda: recorder.results["miss"] == 2, 10, "two misses")
+            sooner = asyncio.ensure_future(embedder.embed([[7, 7]], model="m", deadline=far))
+            await until(lambda: recorder.results["miss"] == 3, 10,
+                        "three misses")  # computed, not joined to the one with the later deadline
+            for follower in (far + 30, far + 60, None):  # joined: no sooner than the leader's (none: no deadline)
+                asyncio.ensure_future(embedder.embed([[7, 7]], model="m", deadline=follower))
+            await until(lambda: recorder.results["coalesced"] == 3, 10, "three coalesced inputs")
+            none = asyncio.ensure_future(embedder.embed([[8, 8]], model="m"))  # a leader without a deadline
+            await until(lambda: recorder.results["miss"] == 4, 10, "four misses")
+            bounded = asyncio.ensure_future(embedder.embed([[8, 8]], model="m", deadline=far))
+            await until(lambda: recorder.results["miss"] == 5, 10, "five misses")  # not joined to "none"
+            for _ in range(5):
+                engine.gate.release()
+            results = await asyncio.gather(blocker, late, sooner, none, bounded)
+            assert [r.vectors.tolist() for r in results[1:]] == [[[2.0, 7.0]]] * 2 + [[[2.0, 8.0]]] * 2
+            assert recorder.results == {"hit": 0, "miss": 5, "coalesced": 3}
 
     asyncio.run(main())
 

@@ -14,7 +14,11 @@ client who leaves never fails another's request. A follower waits at the
 leader's priority and deadline: it asked for the same work, and the leader
 is already in the queue ahead of it. So a follower joins only a leader of its
 own class or a better one: a critical input must not wait in a sheddable
-request's place; it computes the input itself and leads later arrivals.
+request's place; it computes the input itself and leads later arrivals. And
+only a leader whose deadline is no later than its own (none: no deadline), so
+the input it waits for starts, if ever, before its own deadline, as if it
+had queued it itself; if the leader misses its deadline, the follower queues
+the input with its own.
 
 A request with ``Cache-Control: no-cache`` or ``no-store`` neither reads the
 cache nor joins another's computation (it asked for a fresh one); others may
@@ -52,10 +56,16 @@ class CacheCounter(Protocol):
 
 @dataclass(frozen=True)
 class _Leader:
-    """An input being computed: the future its followers wait on, and the class it is queued in."""
+    """An input being computed: the future its followers wait on, the class and deadline it is queued with."""
 
     future: asyncio.Future[np.ndarray | None]
     priority: Priority
+    deadline: float | None  # perf_counter seconds; None: none
+
+    def may_lead(self, priority: Priority, deadline: float | None) -> bool:
+        """A request of ``priority`` and ``deadline`` may wait on this computation rather than queue its own."""
+        return self.priority <= priority and (deadline is None or (self.deadline is not None
+                                                                   and self.deadline <= deadline))
 
 
 @dataclass
@@ -87,7 +97,7 @@ class CachedEmbedder:
                     deadline: float | None = None, policy: CacheDirectives = NO_DIRECTIVES) -> Embedded:
         if not self._cache.enabled:
             return await self._scheduler.embed(inputs, model=model, priority=priority, deadline=deadline)
-        plan = self._plan([CacheKey.of(model, ids) for ids in inputs], policy, Priority(priority))
+        plan = self._plan([CacheKey.of(model, ids) for ids in inputs], policy, Priority(priority), deadline)
         self._counter.cache_results(hits=plan.hits, misses=len(plan.compute), coalesced=plan.coalesced)
         computed = Embedded(vectors=np.empty(0), queue_s=0.0, compute_s=0.0)  # nothing computed (all hits)
         if plan.compute:
@@ -108,7 +118,8 @@ class CachedEmbedder:
         return Embedded(vectors=np.stack(plan.rows), queue_s=computed.queue_s, compute_s=computed.compute_s,
                         batches=batches)
 
-    def _plan(self, keys: list[CacheKey], policy: CacheDirectives, priority: Priority) -> _Plan:
+    def _plan(self, keys: list[CacheKey], policy: CacheDirectives, priority: Priority,
+              deadline: float | None) -> _Plan:
         plan = _Plan(rows=[None] * len(keys), compute={}, follow={})
         for index, key in enumerate(keys):
             if key in plan.compute:  # the same input twice in one request: computed once
@@ -122,7 +133,7 @@ class CachedEmbedder:
                     plan.hits += 1
                     continue
                 leader = self._inflight.get(key)
-                if leader is not None and leader.priority <= priority:
+                if leader is not None and leader.may_lead(priority, deadline):
                     plan.follow[index] = leader.future
                     plan.coalesced += 1
                     continue
@@ -136,10 +147,10 @@ class CachedEmbedder:
         led: dict[CacheKey, _Leader] = {}
         for key in plan.compute:
             current = self._inflight.get(key)
-            # One already computing (for a no-cache request, or in a worse class) stays the leader unless this
-            # request's class is better: later arrivals of that class then join this one.
-            if current is None or priority < current.priority:
-                led[key] = self._inflight[key] = _Leader(loop.create_future(), Priority(priority))
+            # One already computing (for a no-cache request, or in a worse class or with a later deadline) stays
+            # the leader unless it could not have led this request: later arrivals like this one then join it.
+            if current is None or not current.may_lead(priority, deadline):
+                led[key] = self._inflight[key] = _Leader(loop.create_future(), Priority(priority), deadline)
         try:
             result = await self._scheduler.embed([key.ids for key in plan.compute], model=model, priority=priority,
                                                  deadline=deadline)
