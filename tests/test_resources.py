@@ -25,6 +25,7 @@ from envoy.extensions.load_balancing_policies.least_request.v3 import least_requ
 from envoy.extensions.load_balancing_policies.override_host.v3 import override_host_pb2
 from envoy.extensions.access_loggers.filters.cel.v3 import cel_pb2
 from envoy.extensions.transport_sockets.tls.v3 import tls_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import json_format, struct_pb2
 from pydantic import ValidationError
@@ -42,7 +43,9 @@ from control_plane.model import (
     PickPolicySpec,
     Telemetry,
 )
+from control_plane.resources.listener import cache_fill_mode
 from control_plane.resources.struct_wire import encode_struct
+from ext_proc.wire import READ_RESPONSE_BODY
 from inferlb_runtime.model_routing import Rollout, decode_rollouts, encode_rollouts
 from control_plane.resources import (
     build_ext_proc_cluster,
@@ -228,6 +231,9 @@ def test_ext_proc_filter(fail_open: bool) -> None:
     assert ext.status_on_error.code == 503  # failing closed (API keys required): a retryable status
     # ext_proc may ask for one response's body (to fill its gateway cache); the configured modes send none.
     assert ext.allow_mode_override is True
+    # and only to ask for that: the very mode ext_proc's answer names (control plane and ext_proc share no code)
+    assert list(ext.allowed_override_modes) == [cache_fill_mode()]
+    assert pb.ProcessingResponse.FromString(READ_RESPONSE_BODY).mode_override == cache_fill_mode()
     assert ext.processing_mode.response_body_mode == processing_mode_pb2.ProcessingMode.NONE
     assert list(ext.response_attributes) == ["upstream.address"]
     mode = processing_mode_pb2.ProcessingMode

@@ -41,6 +41,15 @@ TRACE_EXPORT_TIMEOUT_S = 1.0
 REQUEST_HEADERS_TIMEOUT_S = 10.0
 
 
+def cache_fill_mode() -> processing_mode_pb2.ProcessingMode:
+    """The one override ext_proc may ask for: the configured modes, plus this response's body, buffered up to
+    Envoy's limit (BUFFERED_PARTIAL: a bigger body is sent in part, never failed, and is then not cached)."""
+    mode = processing_mode_pb2.ProcessingMode
+    return mode(request_header_mode=mode.SEND, request_body_mode=mode.BUFFERED, request_trailer_mode=mode.SKIP,
+                response_header_mode=mode.SEND, response_body_mode=mode.BUFFERED_PARTIAL,
+                response_trailer_mode=mode.SKIP)
+
+
 def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalProcessor:
     """The pick: ext_proc sees headers and the whole body, answers with the endpoint to use."""
     mode = processing_mode_pb2.ProcessingMode
@@ -67,8 +76,10 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
             response_trailer_mode=mode.SKIP,
         ),
         # ext_proc asks for one response's body (mode_override in its response-headers answer) to fill its
-        # gateway cache: only for a cacheable 200 miss, so hits and other answers cost nothing more.
+        # gateway cache: only for a cacheable 200 miss, so hits and other answers cost nothing more. That one
+        # mode only: any other override (say, every request's body streamed) is ignored by Envoy.
         allow_mode_override=True,
+        allowed_override_modes=[cache_fill_mode()],
         # Not set: send_body_without_waiting_for_header_response. Envoy 1.40 honours it only with
         # request_body_mode STREAMED (or FULL_DUPLEX_STREAMED); with BUFFERED it holds the body until
         # the request-headers answer anyway, so it would change nothing. STREAMED would save that round
