@@ -192,3 +192,19 @@ def test_bad_model_costs_exit_2_with_a_message(args: tuple[str, ...], message: s
     done = subprocess.run([sys.executable, "-m", "workers", *args, "--port", "1"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_the_simulated_fault_answers_500_at_once_and_counts_it(one_slot_worker: SimWorker) -> None:
+    with http() as client:
+        url = f"{one_slot_worker.url}/v1/simulation"
+        assert client.put(url, json={"fail_rate": 1.5}).status_code == 400
+        assert client.put(url, json={"fail_rate": 1.0}).json()["fail_rate"] == 1.0
+        try:
+            failed = client.post(f"{one_slot_worker.url}/v1/embeddings", json={"input": "hello"})
+            metrics = client.get(f"{one_slot_worker.url}/metrics").text
+        finally:
+            assert client.put(url, json={"fail_rate": 0.0}).json()["fail_rate"] == 0.0
+    assert failed.status_code == 500
+    assert failed.json()["error"]["code"] == "simulated_failure"
+    assert 'inferlb_worker_requests_total{code="500"}' in metrics  # the control plane sees the errors
+    post(one_slot_worker)  # asserts 200: the fault is off again

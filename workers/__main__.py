@@ -101,6 +101,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     sim.add_argument("--model-cost", action="append", default=[], metavar="VERSION=X",
                      help="multiply the simulated cost of one served version, e.g. all-MiniLM-L6-v2-fp32=2.0 "
                           "(repeat or comma-separate; default 1 each); the versions share the slots")
+    sim.add_argument("--sim-fail-rate", type=float, default=0.0, metavar="P",
+                     help="a simulated fault: answer this share of embeddings requests 500 at once, before any "
+                          "queue (a broken worker that looks fast); PUT /v1/simulation {\"fail_rate\": P} changes "
+                          "it at run time (default 0)")
     return p
 
 
@@ -179,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return prepare(argv[1:])
     args = _serve_parser().parse_args(argv)
     sim_flags = ("simulate", "speed", "speed_schedule", "sim_fixed_ms", "sim_per_token_us", "sim_cost_scale",
-                 "sim_slots", "model_cost")
+                 "sim_slots", "model_cost", "sim_fail_rate")
     overrides = {k: v for k, v in vars(args).items() if k != "config" and k not in sim_flags}
     try:
         config = load_config(args.config, overrides)
@@ -190,8 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         scale = args.sim_cost_scale
         simulation = Simulation(
             speed=args.speed, fixed_s=args.sim_fixed_ms / 1000 * scale, per_token_s=args.sim_per_token_us / 1e6 * scale,
-            schedule=parse_speed_schedule(args.speed_schedule),
+            schedule=parse_speed_schedule(args.speed_schedule), fail_rate=args.sim_fail_rate,
         ) if args.simulate else None
+        if args.sim_fail_rate and not args.simulate:
+            raise ValueError("--sim-fail-rate needs --simulate: it is a simulated fault")
         if args.model_cost and not args.simulate:
             raise ValueError("--model-cost needs --simulate: a real model costs what it costs")
         model_costs = parse_model_costs(args.model_cost, config.served_models)
@@ -209,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .app import simulation_routes
 
         serve(config, build_simulated_service(config, simulation, args.sim_slots, model_costs),
-              simulation_routes(simulation), tracing)
+              simulation_routes(simulation), tracing, simulated_failure=simulation.fails_now)
     else:
         serve(config, build_service(config), tracing=tracing)
     return 0

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -74,18 +74,27 @@ async def _disconnected(request: Request) -> None:
 
 
 def simulation_routes(simulation: Simulation) -> list[Route]:
-    """``GET``/``PUT /v1/simulation``: read or change a simulated worker's speed at run time."""
+    """``GET``/``PUT /v1/simulation``: read or change a simulated worker's speed and its simulated fault (the
+    share of requests it answers 500 at once) at run time."""
 
     async def simulation_state(request: Request) -> Response:
         if request.method == "PUT":
             try:
                 doc = orjson.loads(await request.body())
-                simulation.set_speed(float(doc["speed"]))
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                message = f"expected {{\"speed\": number > 0}}: {exc}"
+                if not isinstance(doc, dict) or not {"speed", "fail_rate"} & doc.keys():
+                    raise ValueError("name speed, fail_rate or both")
+                speed = float(doc.get("speed", simulation.speed))
+                fail_rate = float(doc.get("fail_rate", simulation.fail_rate))
+                if not speed > 0:
+                    raise ValueError(f"speed must be > 0, got {speed}")
+                simulation.set_fail_rate(fail_rate)
+                simulation.set_speed(speed)
+            except (orjson.JSONDecodeError, TypeError, ValueError) as exc:
+                message = f"expected {{\"speed\": number > 0, \"fail_rate\": number in [0, 1]}}: {exc}"
                 return Response(error_body(message, type="invalid_request_error", code="invalid_value"), 400,
                                 media_type=JSON)
-        body = {"speed": simulation.speed, "fixed_s": simulation.fixed_s, "per_token_s": simulation.per_token_s}
+        body = {"speed": simulation.speed, "fixed_s": simulation.fixed_s, "per_token_s": simulation.per_token_s,
+                "fail_rate": simulation.fail_rate}
         return Response(orjson.dumps(body), media_type=JSON)
 
     return [Route("/v1/simulation", simulation_state, methods=["GET", "PUT"])]
@@ -96,12 +105,17 @@ TRACED_PATHS = ("/v1/embeddings",)  # the inference path; probes and /metrics ar
 
 def create_app(
     service: EmbeddingService, *, manage_lifecycle: bool = True, extra_routes: list[Route] | None = None,
-    tracing: Tracing | None = None,
+    tracing: Tracing | None = None, simulated_failure: Callable[[], bool] | None = None,
 ) -> Starlette:
     """Build the app; with ``manage_lifecycle`` the lifespan starts and stops the service. Every request's
-    log lines carry its ``x-request-id``; with ``tracing``, each embeddings request is a span."""
+    log lines carry its ``x-request-id``; with ``tracing``, each embeddings request is a span.
+    ``simulated_failure`` (simulated workers only): when it says so, the request is answered 500 at once."""
 
     async def embeddings(request: Request) -> Response:
+        if simulated_failure is not None and simulated_failure():
+            service.metrics.request_done(500, 0.0)
+            err = APIError(500, "simulated failure (--sim-fail-rate)", type="server_error", code="simulated_failure")
+            return Response(err.body(), 500, media_type=JSON)
         if service.draining:
             err = APIError(503, "worker is shutting down", type="server_error", code="shutting_down")
             return Response(err.body(), 503, media_type=JSON, headers={"connection": "close"})

@@ -12,7 +12,7 @@ import contextlib
 import signal
 import threading
 from types import FrameType
-from typing import Iterator
+from typing import Callable, Iterator
 
 import uvicorn
 from starlette.routing import Route
@@ -63,10 +63,10 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(config: WorkerConfig, service: EmbeddingService, extra_routes: list[Route] | None = None,
-          tracing: Tracing | None = None) -> None:
+          tracing: Tracing | None = None, simulated_failure: Callable[[], bool] | None = None) -> None:
     """Serve until a signal; then drain, and export the spans still queued (``tracing``)."""
     uv_config = uvicorn.Config(
-        create_app(service, extra_routes=extra_routes, tracing=tracing),
+        create_app(service, extra_routes=extra_routes, tracing=tracing, simulated_failure=simulated_failure),
         host=config.host,
         port=config.port,
         loop="uvloop",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import random
 import threading
 import time
 import zlib
@@ -66,6 +67,13 @@ def parse_model_costs(specs: Sequence[str], served: Sequence[str]) -> dict[str, 
     return costs
 
 
+def check_fail_rate(fail_rate: float) -> float:
+    """A share of requests in [0, 1] (ValueError otherwise)."""
+    if not 0.0 <= fail_rate <= 1.0:
+        raise ValueError(f"fail rate must be in [0, 1], got {fail_rate}")
+    return fail_rate
+
+
 def parse_speed_schedule(text: str) -> tuple[tuple[float, float], ...]:
     """``"30:0.25,60:1"`` → ((30.0, 0.25), (60.0, 1.0)): at t seconds after start, set speed."""
     steps = []
@@ -91,10 +99,13 @@ class Simulation:
         fixed_s: float = DEFAULT_FIXED_S,
         per_token_s: float = DEFAULT_PER_TOKEN_S,
         schedule: Sequence[tuple[float, float]] = (),
+        fail_rate: float = 0.0,
     ) -> None:
         if speed <= 0 or fixed_s < 0 or per_token_s < 0:
             raise ValueError("speed must be > 0 and costs >= 0")
         self._speed = speed
+        self._fail_rate = check_fail_rate(fail_rate)
+        self._random = random.Random()
         self.fixed_s = fixed_s
         self.per_token_s = per_token_s
         self._schedule = list(schedule)
@@ -115,6 +126,22 @@ class Simulation:
             raise ValueError(f"speed must be > 0, got {speed}")
         with self._lock:
             self._speed = speed
+
+    @property
+    def fail_rate(self) -> float:
+        with self._lock:
+            return self._fail_rate
+
+    def set_fail_rate(self, fail_rate: float) -> None:
+        fail_rate = check_fail_rate(fail_rate)
+        with self._lock:
+            self._fail_rate = fail_rate
+
+    def fails_now(self) -> bool:
+        """A simulated fault (``--sim-fail-rate``): this request is answered 500 at once, before any queue, so
+        the worker looks fast while it fails (what a balancer must not reward)."""
+        with self._lock:
+            return self._fail_rate > 0 and self._random.random() < self._fail_rate
 
     def batch_seconds(self, padded_tokens: int) -> float:
         return (self.fixed_s + self.per_token_s * padded_tokens) / self.speed
