@@ -24,6 +24,7 @@ from .workload import PATH
 
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 Messages = Sequence[tuple[bytes, bytes, bytes]]
+STREAM_TIMEOUT_S = 10.0  # a stream the server never finishes counts as an error instead of hanging the run
 
 
 def header_map(pairs: Sequence[tuple[str, str]]) -> Any:
@@ -86,7 +87,7 @@ async def grpc_drive(target: str, messages: Messages, streams: int, seconds: flo
                 headers, body, response = messages[i % len(messages)]
                 i += streams
                 started = perf()
-                call = process()
+                call = process(timeout=STREAM_TIMEOUT_S)
                 try:
                     if not body_only:
                         await call.write(headers)

@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from ...supervisor import Component
+from ..dataplanes import EXT_PROC_CACHE_ENV
 from ..fleet import child_env
 from ..processes import ProcessGroup, free_port
 from .grpc_load import Messages, measure_direct
@@ -116,7 +117,9 @@ async def profile_phase(args: Any, st: Stack, messages: Messages, log: Log) -> d
     log(f"[profile] ext_proc under cProfile, {args.profile_seconds:.0f} s of the gRPC load")
     metrics_url = f"http://127.0.0.1:{metrics_port}"
     component = Component(name="ext-proc-profiled", argv=argv, ready_url=f"{metrics_url}/readyz",
-                          log_path=st.log_dir / "ext-proc-profiled.log", env=child_env(), ready_timeout_s=30.0)
+                          log_path=st.log_dir / "ext-proc-profiled.log", ready_timeout_s=30.0,
+                          # as the stack's: no gateway cache (the bodies repeat; hits would skip the pick)
+                          env=child_env({EXT_PROC_CACHE_ENV: "0"}))
     async with ProcessGroup(stop_timeout_s=20.0) as group:  # SIGTERM: cProfile writes its file on the way out
         await group.start([component])
         load = await measure_direct("ext_proc under cProfile", f"127.0.0.1:{port}", group.pid(component.name),
