@@ -4,7 +4,8 @@ is a hit at every other.
 Why bounded here rather than by Redis's ``maxmemory``: the server is shared with the quotas, whose keys must
 never be evicted for cached vectors. So each entry expires after the TTL, and a byte budget is kept by the
 store script itself: ``<prefix>bytes`` (the total), ``<prefix>sizes`` (a hash of entry sizes),
-``<prefix>index`` (a sorted set by time stored, for the TTL) and ``<prefix>lru`` (a sorted set by last use).
+``<prefix>index`` (a sorted set by time stored, for the TTL) and ``<prefix>lru`` (a sorted set by last use,
+on a logical clock, ``<prefix>clock``: uses within one millisecond still have an order).
 One put is one script, one round trip: it forgets entries past their TTL, stores the new one, and drops the
 least recently used while over the budget (counted as evictions). A lookup is one script too: the GET, and
 on a hit the entry's last use, so the popular answers (the Zipf head) stay while one-off ones go. Keys are
@@ -33,15 +34,11 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "inferlb:cache:"
 DEFAULT_BACKOFF_S = 0.5
 
-# Both scripts read the time from Redis (one clock for every replica), in ms.
-NOW_LUA = """
-local t = redis.call('TIME')
+# KEYS: the entry, the index (by time stored), the sizes (hash), the byte total, the LRU (by last use), the
+# LRU's clock. ARGV: value, TTL ms, budget bytes. Returns {bytes held, entries evicted for room}.
+STORE_LUA = """
+local t = redis.call('TIME')  -- Redis's clock, one for every replica (ms)
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-# KEYS: the entry, the index (by time stored), the sizes (hash), the byte total, the LRU (by last use).
-# ARGV: value, TTL ms, budget bytes. Returns {bytes held, entries evicted for room}.
-STORE_LUA = NOW_LUA + """
 local ttl, budget = tonumber(ARGV[2]), tonumber(ARGV[3])
 local function forget(k)
   local size = redis.call('HGET', KEYS[3], k)
@@ -55,7 +52,7 @@ for _, k in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl)) do f
 forget(KEYS[1])
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl)
 redis.call('ZADD', KEYS[2], now, KEYS[1])
-redis.call('ZADD', KEYS[5], now, KEYS[1])
+redis.call('ZADD', KEYS[5], redis.call('INCR', KEYS[6]), KEYS[1])
 redis.call('HSET', KEYS[3], KEYS[1], #ARGV[1])
 local total = redis.call('INCRBY', KEYS[4], #ARGV[1])
 local evicted = 0
@@ -69,10 +66,10 @@ end
 return {total, evicted}
 """
 
-# KEYS: the entry, the LRU. Returns the value (nil: a miss); a hit becomes the most recently used.
-LOOKUP_LUA = NOW_LUA + """
+# KEYS: the entry, the LRU, its clock. Returns the value (nil: a miss); a hit becomes the most recently used.
+LOOKUP_LUA = """
 local value = redis.call('GET', KEYS[1])
-if value then redis.call('ZADD', KEYS[2], 'XX', now, KEYS[1]) end
+if value then redis.call('ZADD', KEYS[2], 'XX', redis.call('INCR', KEYS[3]), KEYS[1]) end
 return value
 """
 
@@ -99,8 +96,8 @@ class RedisResponseCache:
         self.max_bytes = max_bytes
         self._timeout_s = timeout_s
         self._prefix = prefix
-        self._lru = f"{prefix}lru"
-        self._meta = [f"{prefix}index", f"{prefix}sizes", f"{prefix}bytes", self._lru]
+        self._lru = [f"{prefix}lru", f"{prefix}clock"]
+        self._meta = [f"{prefix}index", f"{prefix}sizes", f"{prefix}bytes", *self._lru]
         self._store = client.register_script(STORE_LUA)
         self._lookup = client.register_script(LOOKUP_LUA)
         self._backoff_s = backoff_s
@@ -117,7 +114,7 @@ class RedisResponseCache:
 
     async def get(self, key: bytes) -> CachedResponse | None:
         """The stored answer; None when there is none, or Redis did not answer in time."""
-        value = await self._call("get", self._lookup(keys=[self._prefix + key.hex(), self._lru]))
+        value = await self._call("get", self._lookup(keys=[self._prefix + key.hex(), *self._lru]))
         return decode(value) if value else None
 
     async def put(self, key: bytes, response: CachedResponse) -> tuple[int, int] | None:

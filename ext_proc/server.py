@@ -749,6 +749,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if hit is None:
             return resolved
         stream.outcome, stream.forwarded, stream.cache_key = "served", True, None  # its quota is used
+        self.metrics.model_answer(hit.version, "200")  # a 200 of that version, answered here
         limits = tuple(rate_limit_headers(stream.quota)) if stream.quota is not None else ()
         return wire.cached_response(hit.body, hit.content_type, hit.version, *limits)
 

@@ -61,6 +61,12 @@ def cache_samples(h: Any) -> dict[tuple[str, str], float]:
             for s in family.samples if s.name == "inferlb_ext_proc_cache_requests_total"}
 
 
+def version_answers(h: Any) -> dict[tuple[str, str], float]:
+    return {(s.labels["model"], s.labels["code_class"]): s.value
+            for family in text_string_to_metric_families(h.servicer.metrics.render().decode())
+            for s in family.samples if s.name == "inferlb_ext_proc_model_requests_total"}
+
+
 def test_a_miss_is_stored_from_the_response_body_and_the_same_question_is_answered_from_it(
         counter: TokenCounter) -> None:  # noqa: F811
     async def scenario() -> None:
@@ -82,6 +88,8 @@ def test_a_miss_is_stored_from_the_response_body_and_the_same_question_is_answer
             assert headers["content-type"] == "application/json"
             assert len(h.servicer.router.outstanding) == 0
             assert cache_samples(h)[("memory", "hit")] == 1 and cache_samples(h)[("memory", "miss")] == 1
+            # the hit is a 200 of that version in the per-version counts, as the worker's answer was
+            assert version_answers(h)[(INT8, "2xx")] == 2
 
             # A stored answer needs no body: the response-headers answer of a hit never comes (Envoy
             # answered); a request answered again from the worker (no-cache) is not asked for twice.
