@@ -73,6 +73,8 @@ class DataPlaneConfig(BaseModel):
     slow_start_window_s: float = Field(10.0, ge=0)
     # xDS node cluster of the ext_proc replicas: they get the EDS with telemetry metadata.
     ext_proc_node_cluster: str = Field("inferlb-ext-proc", min_length=1)
+    # Envoy's access log: one JSON line per request (request_id, status, upstream, time) on its stdout.
+    envoy_access_log: bool = True
 
     @model_validator(mode="after")
     def _paths(self) -> "DataPlaneConfig":
@@ -111,6 +113,7 @@ class DataPlaneConfig(BaseModel):
             health_check_interval_s=self.health_check_interval_s,
             slow_start_window_s=self.slow_start_window_s,
             ext_proc_node_cluster=self.ext_proc_node_cluster,
+            access_log=self.envoy_access_log,
         )
 
 

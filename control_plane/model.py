@@ -169,6 +169,7 @@ class DataPlaneSettings:
     # xDS node cluster (= node group) of ext_proc: its snapshot carries the rich EDS
     # (telemetry and pick-policy metadata); every other group gets the lean one.
     ext_proc_node_cluster: str = "inferlb-ext-proc"
+    access_log: bool = True  # one JSON line per request on Envoy's stdout (resources/access_log.py)
     tracing: EnvoyTracing | None = None  # and the collector's cluster "opentelemetry_collector"
     tracing_cluster: str = "opentelemetry_collector"
 

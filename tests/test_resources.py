@@ -665,3 +665,17 @@ def test_a_change_of_models_or_rollouts_makes_a_new_rich_eds_even_through_the_me
     assert encode_load_assignment(rolled_back, ext_proc=True, memo=memo) != before
     assert encode_load_assignment(rolled_back, ext_proc=True, memo=memo) == \
         encode_load_assignment(rolled_back, ext_proc=True)
+
+
+def test_envoy_writes_one_json_access_log_line_per_request_keyed_by_request_id() -> None:
+    from envoy.extensions.access_loggers.stream.v3 import stream_pb2
+
+    (log,) = _hcm(DataPlaneSettings()).access_log
+    assert log.name == "envoy.access_loggers.stdout"
+    stdout = stream_pb2.StdoutAccessLog()
+    log.typed_config.Unpack(stdout)
+    fields = json_format.MessageToDict(stdout.log_format.json_format)
+    assert fields["request_id"] == "%REQ(X-REQUEST-ID)%" and fields["component"] == "envoy"
+    assert {"status", "upstream", "duration_ms", "trace_id", "cache"} <= set(fields)
+    assert not _hcm(DataPlaneSettings(access_log=False)).access_log  # envoy_access_log = false
+    assert ControlPlaneConfig().data_plane.settings({}).access_log is True

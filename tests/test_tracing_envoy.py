@@ -171,6 +171,11 @@ def test_the_log_lines_written_for_a_request_carry_its_request_id(stack: Stack) 
     accessed = wait_for(lambda: lines_for(stack.worker), 10, "the worker's log line with the request id", stack.procs)
     assert accessed[0]["logger"] == "uvicorn.access" and len(accessed[0]["trace_id"]) == 32
     assert accessed[0]["trace_id"] == decisions[0]["trace_id"]  # one trace, named in both logs
+    # Envoy's access log line for it: how it ended at the edge, the upstream that served, the same trace
+    edge = wait_for(lambda: lines_for(stack.envoy.proc), 10, "Envoy's access log line with the request id",
+                    stack.procs)  # Envoy flushes its access log every second or so
+    assert edge[0]["component"] == "envoy" and edge[0]["status"] == 200 and edge[0]["path"] == "/v1/embeddings"
+    assert edge[0]["upstream"] == stack.worker_id and edge[0]["trace_id"] == decisions[0]["trace_id"]
     # lines not written for a request carry none
     assert not any("request_id" in line for line in json_lines(stack.ext_proc.proc) if line["msg"] == "ext_proc started")
 

@@ -25,6 +25,7 @@ from envoy.type.v3 import http_status_pb2, percent_pb2
 from inferlb_runtime.model_routing import MODEL_HEADER
 
 from ..model import DataPlaneSettings
+from .access_log import build_access_log
 from .local_reply import build_local_reply_config
 from .messages import ads, duration, pack, socket_address
 
@@ -168,6 +169,7 @@ def build_listener(settings: DataPlaneSettings) -> listener_pb2.Listener:
         normalize_path=wrappers_pb2.BoolValue(value=True),
         merge_slashes=True,
         local_reply_config=build_local_reply_config(settings.ext_proc.max_request_body_bytes),
+        access_log=[build_access_log()] if settings.access_log else [],
     )
     if settings.tracing is not None:
         manager.tracing.CopyFrom(build_tracing(settings))
