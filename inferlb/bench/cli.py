@@ -7,7 +7,8 @@ classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests
 workers full of the largest ones, per worker scheduling option) in ``hogs.py``; ``inferlb bench fair`` (issue 14's
 fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in ``fair.py``; ``inferlb bench
 autoscale`` (issue 15's elastic pool under a load step) in ``autoscale.py``; ``inferlb bench rollout`` (issue 15's
-canary split and rollback speed) in ``rollout.py``; ``inferlb bench cache`` (issue 16's response cache, off and on,
+canary split and rollback speed) in ``rollout.py``; ``inferlb bench faults`` (issue 20's faults under load) in
+``faults.py``; ``inferlb bench cache`` (issue 16's response cache, off and on,
 under repeated inputs) in ``cache.py``; the component
 benchmarks ``inferlb bench worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
 ``ext_proc_bench/``, ``quota`` (a tenant's key lookup and quota check) in
@@ -24,6 +25,7 @@ from . import (
     autoscale,
     cache,
     fair,
+    faults,
     hogs,
     load_command,
     overload,
@@ -74,6 +76,11 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                  "at the SLO and a hit's latency", description=cache.DESCRIPTION)
     cache.add_arguments(cached)
     cached.set_defaults(func=cache.main)
+    fault = commands.add_parser("faults", help="one fault per run (kill -9 a worker, SIGSTOP, ext_proc, control "
+                                "plane, Envoy, a 500-fast worker) under open-loop load at 70%% of capacity",
+                                description=faults.DESCRIPTION)
+    faults.add_arguments(fault)
+    fault.set_defaults(func=faults.main)
     hog = commands.add_parser("hogs", help="one-sentence requests while every worker holds the largest requests",
                               description=hogs.DESCRIPTION)
     hogs.add_arguments(hog)

@@ -26,7 +26,7 @@ import asyncio
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,20 @@ from .trace import Trace
 WORKER_HEADERS = ("x-inferlb-worker", "x-inferlb-endpoint")
 UNKNOWN_WORKER = "?"
 DEFAULT_MAX_CONNECTIONS = 1024
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's end, for an observer that needs the timeline (a fault harness), not just the totals.
+
+    Times are seconds from the start of the trace; ``status`` is None when no answer came (``error`` says
+    why: an exception's class name, or "timeout"); ``headers``: those of ``worker_headers`` present."""
+
+    send_at_s: float
+    done_at_s: float
+    status: int | None
+    error: str | None
+    headers: Mapping[str, str]
 
 
 @dataclass
@@ -121,12 +135,16 @@ async def run_load(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     headers: Mapping[str, str] | None = None,
     worker_headers: Sequence[str] = WORKER_HEADERS,
+    on_answer: Callable[[Answer], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> LoadOutcome:
     """POST ``bodies[i]`` to ``url`` at ``trace.send_at_s[i]`` seconds from now, for every ``i``.
 
     Returns when every request has answered, or ``timeout_s`` after the last
     scheduled send at the latest: stragglers are cancelled and count as
-    timeouts. ``progress`` shows a tqdm bar on stderr (only on a terminal).
+    timeouts. ``progress`` shows a tqdm bar on stderr (only on a terminal). ``on_answer`` sees every
+    request's end (warm-up included), in the order they end. Once ``stop`` is set, nothing more is sent
+    (the trace is cut short: a run that ends on a condition); the requests in flight are still awaited.
     Raises ``ValueError`` for arguments that cannot make a run.
     """
     import aiohttp
@@ -149,6 +167,7 @@ async def run_load(
         sent: dict[str, float] = {}  # the trace hook below stamps "at" when the headers are out
         status: int | None = None
         worker = UNKNOWN_WORKER
+        found: dict[str, str] = {}
         error: str | None = None
         try:
             async with asyncio.timeout_at(scheduled + timeout_s):
@@ -159,13 +178,15 @@ async def run_load(
                     for name in names:
                         value = response.headers.get(name)
                         if value:
-                            worker = value
-                            break
+                            found[name] = value
+                    worker = next(iter(found.values()), UNKNOWN_WORKER)
         except TimeoutError:
             error = "timeout"
         except asyncio.CancelledError:  # a straggler cut off at the end of the run
             if measured:
                 outcome.timeouts += 1
+            if on_answer is not None:
+                on_answer(Answer(send_at[i], loop.time() - t0, None, "timeout", found))
             raise
         except aiohttp.ClientError as exc:
             error = type(exc).__name__
@@ -174,6 +195,8 @@ async def run_load(
         finished = loop.time()
         if bar is not None:
             bar.update()
+        if on_answer is not None:
+            on_answer(Answer(send_at[i], finished - t0, status, error, found))
         if not measured:
             return
         _record(outcome, status, error, worker, finished - scheduled, finished - sent.get("at", scheduled))
@@ -189,7 +212,7 @@ async def run_load(
         t0 = loop.time()
         i, n = 0, len(send_at)
         try:
-            while i < n:
+            while i < n and not (stop is not None and stop.is_set()):
                 now = loop.time()
                 due = t0 + send_at[i]
                 if due > now:

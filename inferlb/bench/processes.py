@@ -57,6 +57,18 @@ class ProcessGroup:
         """The process id of the running component ``name`` (``KeyError`` if none runs by that name)."""
         return self._supervisor.running[name].process.pid
 
+    def send_signal(self, name: str, sig: int) -> None:
+        """Signal the running component ``name`` (a fault harness: SIGSTOP, SIGCONT)."""
+        self._supervisor.running[name].process.send_signal(sig)
+
+    async def kill(self, name: str) -> Component:
+        """SIGKILL ``name`` (no drain: a crash), reap it and forget it; its spec, to start it again with ``start``."""
+        entry = self._supervisor.running.pop(name)
+        if entry.process.returncode is None:
+            entry.process.kill()
+        await entry.process.wait()
+        return entry.spec
+
     def pids(self, *, skip_group: str | None = None) -> list[int]:
         """Process ids of the running components, leaving out those of ``skip_group``."""
         return [entry.process.pid for entry in self._supervisor.running.values()

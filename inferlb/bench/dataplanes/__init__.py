@@ -92,10 +92,12 @@ def plan_data_plane(
     admin_token: str | None = None,
     ext_proc_uds: Path | None = None,
     envoy_ext_proc_uds: bool = True,
+    retries: int = 0,
 ) -> DataPlanePlan:
     """The plan of one configuration. ``workdir`` is this configuration's own directory (logs, configs).
     ``ext_proc_uds``: ext_proc also listens on this Unix socket, and Envoy reaches it there (unless
-    ``envoy_ext_proc_uds`` is false: TCP, the socket then only for other clients)."""
+    ``envoy_ext_proc_uds`` is false: TCP, the socket then only for other clients). ``retries``: Envoy's
+    retries per request under inferlb (0 for a balancer comparison; the product's 2 for a fault harness)."""
     if not known_configuration(configuration):
         raise ValueError(f"unknown configuration {configuration!r}; known: {', '.join(CONFIGURATIONS)}, "
                          f"{PICK_PREFIX}<policy>")
@@ -143,7 +145,7 @@ def plan_data_plane(
         "INFERLB_CP_DATA_PLANE__LISTENER_PORT": str(ports.listener),
         "INFERLB_CP_DATA_PLANE__EXT_PROC_PORT": str(ports.ext_proc),
         "INFERLB_CP_DATA_PLANE__EXT_PROC_ENABLED": "true" if with_ext_proc else "false",
-        "INFERLB_CP_DATA_PLANE__RETRIES": "0",  # no configuration retries
+        "INFERLB_CP_DATA_PLANE__RETRIES": str(retries),  # 0: no configuration retries
         "INFERLB_CP_DATA_PLANE__REQUEST_TIMEOUT_S": f"{request_timeout_s:g}",
         **({"INFERLB_CP_DATA_PLANE__EXT_PROC_UDS_PATH": str(ext_proc_uds)}
            if ext_proc_uds and envoy_ext_proc_uds else {}),
@@ -173,7 +175,7 @@ def plan_data_plane(
                          envoy_admin_url=envoy_admin_url, control_plane_url=cp_url,
                          ext_proc_metrics_url=ext_proc_metrics_url, admin_token=token, pick_policy=pick,
                          directories=(logs, cp_data),
-                         notes={"ext_proc": with_ext_proc, "retries": 0,
+                         notes={"ext_proc": with_ext_proc, "retries": retries,
                                 "ext_proc_transport": "uds" if ext_proc_uds and envoy_ext_proc_uds else "tcp",
                                 **({"pick_policy": pick} if pick else {})})
 
