@@ -117,6 +117,10 @@ from .xds_client import FleetView, PickPolicySpec, ViewSource
 
 log = logging.getLogger("inferlb.ext_proc")
 
+# A large body still being counted (and its quota checked) after this long gets Envoy's message timeout extended:
+# half the control plane's default message_timeout (200 ms), so the extension is sent well before Envoy gives up.
+COUNT_BEFORE_EXTENDING_S = 0.1
+
 # The Endpoint Picker Protocol's answer when the data plane's subset hint leaves nothing eligible.
 NO_ENDPOINT_IN_SUBSET = Reply(503, "no_endpoint_in_subset", "None of the endpoints this gateway allows for the "
                               "request (its subset hint) is ready. Retry later.", retry_after_s=1)
@@ -225,8 +229,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.gate: FairGate | None = None
         if settings.fair_queue_depth:
             self.gate = FairGate(self._has_room, settings.fair_queue, observer=metrics, failure_observer=metrics)
-        # Sent before a wait in the fair queue: Envoy would otherwise give up on the answer after its
-        # message_timeout (up to the filter's max_message_timeout, which the control plane sets).
+        # Sent before a wait in the fair queue or a large body's counting: Envoy would otherwise give up on the
+        # answer after its message_timeout (up to the filter's max_message_timeout, which the control plane sets).
         self._extend_timeout = pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(
             seconds=math.ceil(settings.fair_queue.max_wait_s) + 1)).SerializeToString()
         self.policy_spec = policy_spec or PickPolicySpec(router.policy)
@@ -365,7 +369,21 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         continue
                     body = b"".join((*stream.body, chunk)) if stream.body else chunk
                     stream.body = []
-                    counted = await self._count_and_check(stream, body)
+                    checking = self._count_and_check(stream, body)
+                    extended = False
+                    if self.counter.needs_thread(body):
+                        # Counting a large body (say, 200k short inputs) can outlast Envoy's message_timeout,
+                        # a 504 for a request the worker would refuse cleanly: not done soon, extend it (once).
+                        task = asyncio.ensure_future(checking)
+                        try:
+                            if not (await asyncio.wait({task}, timeout=COUNT_BEFORE_EXTENDING_S))[0]:
+                                extended = True
+                                yield self._extend_timeout
+                            counted = await task
+                        finally:
+                            task.cancel()  # a no-op once done; else the stream ended under it
+                    else:
+                        counted = await checking
                     if type(counted) is bytes:  # refused: over its quota
                         yield counted
                         continue
@@ -382,7 +400,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         if shed is not None:
                             yield shed
                             continue
-                        yield self._extend_timeout
+                        if not extended:  # Envoy heeds one override per message; the first covers both
+                            yield self._extend_timeout
                         refused = await self._wait_turn(gate, stream)
                         if refused is not None:
                             yield refused
