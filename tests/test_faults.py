@@ -1,0 +1,65 @@
+"""Faults under open-loop load, the short form of ``inferlb bench faults`` (issue 20): the real stack (Envoy, the
+control plane, ext_proc, simulated workers), one fresh stack and one fault per test, bounded in requests
+(baseline, tail) and time (``max_run_s``). Every step of the harness waits on a condition with a deadline;
+every process is stopped by its ``ProcessGroup`` even when a test fails. No timing thresholds: the tests
+assert what clients got and that the stack reacted and came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inferlb.bench.faults_live import FaultPlan, FaultRunner
+
+PLAN = FaultPlan(load=0.7, baseline=40, tail=40, max_run_s=60.0, react_timeout_s=20.0)
+
+
+def run_fault(tmp_path: Path, name: str) -> dict[str, Any]:
+    lines: list[str] = []
+    row = asyncio.run(FaultRunner(PLAN, tmp_path, lines.append).run_fault(name))
+    assert row["sent"] == row["succeeded"] + row["failed"], row
+    assert row["back_s"] is not None, f"{name}: routing never came back: {row}\n" + "\n".join(lines)
+    return row
+
+
+def test_kill_9_a_worker_is_retried_elsewhere_and_it_returns(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "worker_kill")
+    assert row["reacted_s"] is not None  # it left Envoy's healthy set
+    assert row["failed"] == 0, row  # in-flight and refused requests were retried on other workers
+    assert row["spread"].get(row["target"], 0) > 0  # restarted, it served again
+
+
+def test_sigstop_then_sigcont_a_worker_loses_no_request(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "worker_stop")
+    assert row["reacted_s"] is not None  # health checks timed out: it left Envoy's healthy set
+    assert row["failed"] == 0, row  # its in-flight requests finished after SIGCONT
+
+
+def test_killed_ext_proc_fails_open_then_routes_again(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "ext_proc_kill")
+    assert row["reacted_s"] is not None  # a request was served without ext_proc's pick
+    assert row["failed"] == 0, row
+
+
+def test_killed_control_plane_leaves_serving_untouched_and_clients_resync(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "control_plane_kill")
+    assert row["reacted_s"] is not None  # the baseline's count served again without it
+    assert row["failed"] == 0, row  # back_s: Envoy and ext_proc ACKed the restarted one's config
+
+
+def test_restarted_envoy_is_configured_from_xds_alone(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "envoy_restart")
+    # Nothing listened while it was down: those connections failed, but no request got an HTTP error.
+    assert set(row["statuses"]) == {"200"}, row
+    assert set(row["error_kinds"]) <= {"ClientConnectorError", "ServerDisconnectedError", "ClientOSError"}, row
+
+
+def test_a_worker_answering_500_fast_is_ejected_and_clients_see_no_error(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "worker_500")
+    assert row["reacted_s"] is not None  # outlier detection ejected it
+    assert row["failed"] == 0, row  # its 500s were retried on other workers
+    assert row["retried"] > 0
