@@ -9,7 +9,13 @@ Discrete-event simulation of the data planes the bench compares, on a simulated 
 sleeps. It replays the bench's own trace for each load and runs the product's real pick and weight
 policies (ext_proc's Router: its pick chain, CostModel and Outstanding; the control plane's telemetry smoothing and
 WeightPolicy) on a simulated clock, over 1 to 10,000+ workers. Prints the comparison table and writes
-the RunResults as JSON. --validate compares it with a live `inferlb bench run` results.json."""
+the RunResults as JSON. --validate compares it with a live `inferlb bench run` results.json.
+
+Two ideal balancers bound what any balancer could do (simulator only, steady runs only):
+oracle_clairvoyant sends each request where it finishes first, knowing every service time and backlog;
+oracle_central_queue is one FIFO queue feeding whichever slot frees first. Name them in --configurations
+or add both with --oracles; every other configuration's p99 and goodput are then reported as a ratio to
+the better oracle's at the same load ("p99 / best oracle")."""
 
 EPILOG = """\
 examples:
@@ -17,6 +23,8 @@ examples:
   inferlb sim --scenario scenarios/sim_scale.toml --configurations envoy_least_request,inferlb_ext_proc
   inferlb sim --workers 10000 --rate 100000 --duration 5 --replicas 10 --json scale.json
   inferlb sim --scenario scenarios/overload.toml --shed-slo-ms 0     the overload without shedding
+  inferlb sim --configurations inferlb_ext_proc,oracle_clairvoyant  inferlb against the clairvoyant bound
+  inferlb sim --scenario scenarios/bursty.toml --oracles --loads 0.7,0.8,0.9 --no-slowdown
   inferlb sim --validate bench-results/default/results.json"""
 
 
@@ -29,7 +37,10 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     sim.add_argument("--scenario", metavar="FILE", help="scenario TOML (default: the built-in default scenario)")
     sim.add_argument("--configurations", metavar="LIST", type=_csv,
-                     help="comma-separated configurations (default: the scenario's, plus its pick_policies)")
+                     help="comma-separated configurations (default: the scenario's, plus its pick_policies); "
+                          "also oracle_clairvoyant and oracle_central_queue")
+    sim.add_argument("--oracles", action="store_true",
+                     help="add both oracles (steady runs) and report each configuration against the better one")
     sim.add_argument("--loads", metavar="LIST", type=_csv, help="comma-separated fractions of capacity, e.g. 0.5,0.8")
     sim.add_argument("--workers", metavar="N", type=int,
                      help="scale the scenario fleet to N workers by repeating its speed mix")

@@ -11,14 +11,17 @@ from typing import Any
 
 from inferlb.bench.results import RunResult
 from inferlb.bench.scenario import (
+    CONFIGURATIONS,
     PICK_PREFIX,
     Fleet,
     Scenario,
     ScenarioError,
+    known_configuration,
     load_scenario,
 )
 
 from . import report
+from .oracles import ORACLES, is_oracle
 from .runner import SLOWDOWN, STEADY, capacity_rps, simulate
 
 
@@ -44,7 +47,12 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     scenario = load_scenario(Path(args.scenario) if args.scenario else None)
     changes: dict[str, Any] = {}
     if args.configurations:
-        changes["configurations"] = tuple(args.configurations)
+        unknown = [c for c in args.configurations if not (known_configuration(c) or is_oracle(c))]
+        if unknown:
+            raise UsageError(f"unknown configuration {', '.join(map(repr, unknown))}; valid: "
+                             f"{', '.join(CONFIGURATIONS + ORACLES)}, {PICK_PREFIX}<policy>")
+        # the oracles are the simulator's own: a Scenario (shared with the live bench) does not list them
+        changes["configurations"] = tuple(c for c in args.configurations if not is_oracle(c))
         changes["pick_policies"] = ()
     if args.loads:
         changes["loads"] = _floats(args.loads, "--loads")
@@ -65,10 +73,19 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
     return replace(scenario, **changes) if changes else scenario
 
 
-def plan(scenario: Scenario, rate: float | None) -> list[tuple[str, float | None, str]]:
-    """Every (configuration, load, run) to simulate, in the bench's order; load None: at ``rate``."""
+def oracles_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The oracles to run: those named in --configurations, or both with --oracles."""
+    named = [c for c in (args.configurations or ()) if is_oracle(c)]
+    if getattr(args, "oracles", False):
+        named += [o for o in ORACLES if o not in named]
+    return tuple(dict.fromkeys(named))
+
+
+def plan(scenario: Scenario, rate: float | None, oracles: tuple[str, ...] = ()) -> list[tuple[str, float | None, str]]:
+    """Every (configuration, load, run) to simulate, in the bench's order, then the oracles' steady runs (they
+    have no slowdown run); load None: at ``rate``."""
     runs: list[tuple[str, float | None, str]] = []
-    for c in scenario.configurations:
+    for c in scenario.configurations + oracles:
         for load in ((None,) if rate is not None else scenario.loads):
             runs.append((c, load, STEADY))
     for p in scenario.pick_policies:
@@ -87,10 +104,10 @@ def _progress_bar(enabled: bool, total: int, desc: str):  # type: ignore[no-unty
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def run_all(scenario: Scenario, rate: float | None, progress: bool) -> list[RunResult]:
+def run_all(scenario: Scenario, rate: float | None, progress: bool, oracles: tuple[str, ...] = ()) -> list[RunResult]:
     results = []
     capacity = capacity_rps(scenario)
-    for configuration, load, run in plan(scenario, rate):
+    for configuration, load, run in plan(scenario, rate, oracles):
         offered = rate if load is None else load * capacity
         total = int(offered * (scenario.warmup_s + scenario.duration_s))
         bar = _progress_bar(progress, total, f"{configuration} {run} {offered:.0f} req/s")
@@ -104,7 +121,7 @@ def run_all(scenario: Scenario, rate: float | None, progress: bool) -> list[RunR
         print(f"{configuration} {run} {result.offered_rps:.0f} req/s: {result.sent} measured requests, {events} events "
               f"in {cpu:.1f} s CPU ({events / max(cpu, 1e-9):,.0f} events/s)", file=sys.stderr)
         results.append(result)
-    return results
+    return report.against_oracles(results)
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -129,7 +146,8 @@ def main(args: argparse.Namespace) -> int:
         if args.validate:
             return _validate(args)
         scenario = scenario_from_args(args)
-        results = run_all(scenario, args.rate, progress=not args.no_progress and sys.stderr.isatty())
+        results = run_all(scenario, args.rate, progress=not args.no_progress and sys.stderr.isatty(),
+                          oracles=oracles_from_args(args))
     except (ScenarioError, UsageError, BenchResultsError) as exc:
         print(f"inferlb sim: error: {exc}", file=sys.stderr)
         return 2

@@ -106,9 +106,14 @@ class SimFleet:
     def __len__(self) -> int:
         return len(self.workers)
 
+    def work_s(self, tokens: int) -> float:
+        """The job's seconds at speed 1; ``service_s`` divides it by the speed (the oracles do too, for the
+        same floats)."""
+        return self._fixed + self._per_token * tokens * self.inputs_per_request
+
     def service_s(self, worker: SimWorker, tokens: int) -> float:
         """The job's seconds at the worker's current speed (equal to ``Fleet.service_s``)."""
-        return (self._fixed + self._per_token * tokens * self.inputs_per_request) / worker.speed
+        return self.work_s(tokens) / worker.speed
 
     def cost_coefficients(self, worker: SimWorker) -> tuple[float, float]:
         """The worker's own cost fit as its ``batch_cost_seconds`` gauge reports it: (per_token, fixed)."""

@@ -10,10 +10,64 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 
 from inferlb.bench.results import RunResult
 from inferlb.bench.scenario import Scenario
 from inferlb.bench.table import ms, render_markdown
+
+from .oracles import is_oracle
+
+VS_ORACLE = "vs_best_oracle"  # the key in a RunResult's extra
+
+
+def _ratio(value: float | None, bound: float | None) -> float | None:
+    return value / bound if value is not None and bound else None
+
+
+def against_oracles(results: Sequence[RunResult]) -> list[RunResult]:
+    """``results`` with, for every non-oracle run that has an oracle run at the same (run, load),
+    ``extra["vs_best_oracle"]``: its p99 over the lowest oracle p99 and its goodput over the highest oracle
+    goodput (each from whichever oracle is better at it), and those bounds."""
+    best: dict[tuple[str, float], dict[str, object]] = {}
+    for r in results:
+        if not is_oracle(r.configuration):
+            continue
+        b = best.setdefault((r.run, r.load), {})
+        if r.p99_s and (b.get("p99_s") is None or r.p99_s < b["p99_s"]):  # type: ignore[operator]
+            b["p99_s"], b["p99_oracle"] = r.p99_s, r.configuration
+        if b.get("goodput_rps") is None or r.goodput_rps > b["goodput_rps"]:  # type: ignore[operator]
+            b["goodput_rps"], b["goodput_oracle"] = r.goodput_rps, r.configuration
+    out = []
+    for r in results:
+        b = best.get((r.run, r.load))
+        if b is None or is_oracle(r.configuration):
+            out.append(r)
+            continue
+        vs = {"p99_ratio": _ratio(r.p99_s, b.get("p99_s")),  # type: ignore[arg-type]
+              "goodput_ratio": _ratio(r.goodput_rps, b.get("goodput_rps")), **b}  # type: ignore[arg-type]
+        out.append(replace(r, extra={**r.extra, VS_ORACLE: vs}))
+    return out
+
+
+def _x(ratio: float | None) -> str:
+    return f"{ratio:.2f}x" if ratio is not None else "-"
+
+
+def oracle_table(results: Sequence[RunResult]) -> list[str]:
+    """Each configuration against the better oracle at its load (runs with ``against_oracles``' figures only)."""
+    rows = [r for r in results if VS_ORACLE in r.extra]
+    if not rows:
+        return []
+    lines = ["", "## Against the ideal (the better of oracle_clairvoyant and oracle_central_queue per figure)", "",
+             "| configuration | run | load | p99 ms | best oracle p99 ms | p99 / best oracle | goodput/s "
+             "| best oracle goodput/s | goodput / best oracle |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r.run != "steady", r.load)):
+        vs = r.extra[VS_ORACLE]
+        lines.append(f"| {r.configuration} | {r.run} | {r.load:.0%} | {ms(r.p99_s)} | {ms(vs.get('p99_s'))} "
+                     f"| {_x(vs['p99_ratio'])} | {r.goodput_rps:.1f} | {vs['goodput_rps']:.1f} "
+                     f"| {_x(vs['goodput_ratio'])} |")
+    return lines
 
 
 def spread_summary(result: RunResult, scenario: Scenario) -> str:
@@ -53,4 +107,5 @@ def render(results: Sequence[RunResult], scenario: Scenario, capacity_rps: float
     for r in sorted(results, key=lambda r: (r.run != "steady", r.load, r.run)):
         lines.append(f"| {r.configuration} | {r.run} | {r.load:.0%} | {spread_summary(r, scenario)} |")
     lines += class_table(results)
+    lines += oracle_table(results)
     return text + "\n".join(lines) + "\n"

@@ -31,7 +31,7 @@ from inferlb.bench.capacity import theoretical_capacity_rps
 from inferlb.bench.classes import is_mixed, trace_classes
 from inferlb.bench.histogram import LatencyHistogram
 from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import PICK_PREFIX, Scenario
+from inferlb.bench.scenario import CONFIGURATIONS, PICK_PREFIX, Scenario
 from inferlb.bench.trace import build_trace
 from inferlb_runtime.request_class import Priority
 from workers.queue_order import QueueOrder
@@ -47,6 +47,7 @@ from .balancers import (
 from .engine import SHED, Balancer, Clock, Engine
 from .ext_proc_model import ExtProcBalancer
 from .fleet import LOAD_SAMPLE_PERIOD_S, SimFleet
+from .oracles import ORACLES, Oracle, is_oracle
 from .weights import ControlPlaneModel
 
 STEADY, SLOWDOWN = "steady", "slowdown"
@@ -98,6 +99,8 @@ def build_balancer(configuration: str, scenario: Scenario, fleet: SimFleet, engi
         return NginxLeastConn(fleet, rng)
     if configuration == "envoy_cswrr_orca":
         return CswrrOrca(fleet, rng, options.cswrr)
+    if is_oracle(configuration):
+        return Oracle(fleet, configuration)
     if configuration == "inferlb_weights":
         balancer: Any = WeightedLeastRequest(fleet, rng)
         balancer.name = configuration
@@ -112,7 +115,8 @@ def build_balancer(configuration: str, scenario: Scenario, fleet: SimFleet, engi
         balancer.name = configuration
         on_weights = balancer.set_eds
     else:
-        raise ValueError(f"unknown configuration {configuration!r}")
+        raise ValueError(f"unknown configuration {configuration!r}; known: {', '.join(CONFIGURATIONS + ORACLES)}, "
+                         f"{PICK_PREFIX}<policy>")
     control = ControlPlaneModel(fleet, scenario.scrape_interval_s, on_weights, engine_at,
                                 push_delay_s=options.push_delay_s)
     engine_at(scenario.scrape_interval_s, control.scrape)
@@ -130,6 +134,8 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
     """
     options = options or SimOptions()
     capacity = capacity_rps(scenario)
+    if run == SLOWDOWN and is_oracle(configuration):
+        raise ValueError(f"{configuration} needs a cost model that holds still: it has no slowdown run")
     if rate_rps is None:
         if load is None:
             raise ValueError("give a load or a rate")
