@@ -191,3 +191,12 @@ def test_a_static_envoy_streams_each_request_through_the_floor_servicer(tmp_path
     status, stats, text = asyncio.run(scenario())
     assert status == 200 and text == '{"data": []}'
     assert stats["streams_started"] == 1 and stats["failure_mode_allowed"] == 0
+
+
+def test_a_variant_reports_its_median_round_and_every_rounds_rate() -> None:
+    from inferlb.bench.ext_proc_bench.saturation import median_round
+
+    rounds = [{"rps": 10.0, "per_server_cpu_s": r, "n": i} for i, r in enumerate((300.0, 100.0, 200.0, 400.0))]
+    picked = median_round(rounds)
+    assert (picked["n"], picked["rounds"]) == (2, [300, 100, 200, 400])  # the lower middle of an even count
+    assert median_round([{"rps": 5.0}, {"rps": 7.0}, {"rps": 6.0}])["rps"] == 6.0  # no server: by req/s

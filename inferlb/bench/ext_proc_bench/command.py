@@ -55,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wrk-seconds", type=float, default=6,
                    help="each wrk saturation run: 2 through the stack, 6 through Envoy to a fake worker "
                         "(default 6; 0: skip)")
+    p.add_argument("--wrk-rounds", type=int, default=1,
+                   help="rounds of the fake-worker wrk runs, every variant once per round in a rotated order; "
+                        "each variant reports its median round (default 1)")
     p.add_argument("--wrk-connections", type=int, default=64, help="wrk connections (default 64)")
     p.add_argument("--grpc-seconds", type=float, default=8,
                    help="direct gRPC saturation of ext_proc pinned to one core (default 8; 0: skip)")
@@ -81,6 +84,8 @@ def settle(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if args.rounds < 1 or args.duration <= 0 or args.workers < 1 or args.bodies < 1:
         raise SystemExit("inferlb bench ext-proc: --rounds, --workers and --bodies >= 1 and --duration > 0 are needed")
+    if args.wrk_rounds < 1:
+        raise SystemExit("inferlb bench ext-proc: --wrk-rounds >= 1 is needed")
     if args.max_connections < 1 or args.drain <= 0:
         raise SystemExit("inferlb bench ext-proc: --max-connections >= 1 and --drain > 0 are needed")
 
@@ -90,7 +95,7 @@ def log(message: str) -> None:
 
 
 def estimate_s(args: argparse.Namespace) -> float:
-    return (15 + 2 * args.warmup + len(args.rates) * 2 * (args.duration + args.rounds) + 10 * (args.wrk_seconds + 1)
+    return (15 + 2 * args.warmup + len(args.rates) * 2 * (args.duration + args.rounds) + (2 + 8 * args.wrk_rounds) * (args.wrk_seconds + 1)
             + (2 * (args.grpc_seconds + args.floor_seconds) + 8 if args.grpc_seconds else 0)
             + (2 * args.profile_seconds + 8 if args.profile != "never" else 0))
 

@@ -56,13 +56,14 @@ def report(results: dict[str, Any], args: Any, log: Log) -> None:
     fake = results.get("saturation_fake_worker", {})
     if fake:
         log(f"Saturation through Envoy to a fake worker (an Envoy answering a worker's real answer; wrk, "
-            f"{args.wrk_connections} connections):")
+            f"{args.wrk_connections} connections, {args.wrk_rounds} round(s) in rotated order):")
         for key, e in fake.items():
             server = "ext_proc" if key.startswith("ext_proc") else "trivial" if key.startswith("trivial") else None
             tail = (f"{e.get('decisions_per_s', e['rps']):7.0f} {'decisions' if 'decisions_per_s' in e else 'streams'}/s, "
                     f"{e['server_cores']:.2f} {server} cores -> {e['per_server_cpu_s']:6.0f} per CPU-second"
                     if server and e.get("server_cores") else "")
-            log(f"  {e['label']:<40} {e['rps']:7.0f} req/s  Envoy {e['cores']['envoy']:.2f} core  {tail}")
+            every = f"  (median of rounds {e['rounds']})" if len(e.get("rounds", ())) > 1 else ""
+            log(f"  {e['label']:<40} {e['rps']:7.0f} req/s  Envoy {e['cores']['envoy']:.2f} core  {tail}{every}")
         if "trivial_1" in fake:
             log("  * body only = request headers SKIP: Envoy's router picks the host on the request headers, before "
                 "ext_proc answers the body, so override_host never sees the pick: a floor, not an option.")

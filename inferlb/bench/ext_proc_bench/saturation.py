@@ -106,32 +106,49 @@ async def stack_saturation_phase(args: Any, st: Stack, script: Path, log: Log) -
 
 async def envoy_saturation_phase(args: Any, st: Stack, script: Path, bodies: Sequence[bytes],
                                  answer: httpx.Response, log: Log) -> dict[str, Any]:
-    """wrk through a static Envoy (the bench's one static config) whose upstream is a fake worker."""
-    out: dict[str, Any] = {}
+    """wrk through a static Envoy (the bench's one static config) whose upstream is a fake worker: every
+    variant's Envoy up at once, run ``--wrk-rounds`` times in an order rotated each round, so a neighbour's
+    load falls on all of them alike; each variant's figures are its median round's (by rate per CPU-second)."""
+    rounds: dict[str, list[dict[str, Any]]] = {}
     async with ProcessGroup() as group:
         fake, upstream_port = fake_worker(st.envoy, st.log_dir, answer)
         trivial, trivial_port = trivial_servicer(st.log_dir)
         await group.start([fake, trivial])
         servers = {"trivial": (trivial_port, group.pid(trivial.name), None, trivial_uds(st.log_dir)),
                    "ext_proc": (st.ext_proc_port, st.pid("ext_proc"), st.ext_proc_metrics_url, st.ext_proc_uds)}
+        envoys = {}
         for key, label, messages, server, transport in ENVOY_VARIANTS:
-            port, pid, metrics_url, uds = servers[server] if server else (None, None, None, None)
+            port, _, _, uds = servers[server] if server else (None, None, None, None)
             envoy = static_envoy(st.envoy, st.log_dir, f"sat-{key}", [("127.0.0.1", upstream_port)],
                                  ext_proc_port=port, messages=messages or 3,
                                  ext_proc_uds=uds if transport == "uds" else None)
-            async with ProcessGroup() as variant:
-                await variant.start([envoy.component])
-                url = f"http://127.0.0.1:{envoy.listener_port}{PATH}"
+            await group.start([envoy.component])
+            url = f"http://127.0.0.1:{envoy.listener_port}{PATH}"
 
-                async def answered(url: str = url) -> bool:
-                    return (await post(st.client, url, bodies[0])).status_code == 200
+            async def answered(url: str = url) -> bool:
+                return (await post(st.client, url, bodies[0])).status_code == 200
 
-                await wait_until(answered, 30, f"a 200 through {key}", variant)
-                groups: dict[str, Sequence[int]] = {"envoy": [variant.pid(envoy.component.name)],
+            await wait_until(answered, 30, f"a 200 through {key}", group)
+            envoys[key] = envoy
+        for r in range(args.wrk_rounds):
+            shift = r % len(ENVOY_VARIANTS)
+            for key, label, _, server, _ in ENVOY_VARIANTS[shift:] + ENVOY_VARIANTS[:shift]:
+                envoy = envoys[key]
+                _, pid, metrics_url, _ = servers[server] if server else (None, None, None, None)
+                groups: dict[str, Sequence[int]] = {"envoy": [group.pid(envoy.component.name)],
                                                     "fake_worker": [group.pid(fake.name)]}
                 if server and pid:
                     groups[server] = [pid]
-                out[key] = await saturate(f"fake worker, {label}", script, envoy.listener_port, args, groups, server,
-                                          st.client, metrics_url, envoy.admin_url if server else None, log)
-                out[key]["label"] = label
-    return out
+                entry = await saturate(f"fake worker, {label}", script, envoy.listener_port, args, groups, server,
+                                       st.client, metrics_url, envoy.admin_url if server else None, log)
+                rounds.setdefault(key, []).append({**entry, "label": label})
+    return {key: median_round(entries) for key, entries in rounds.items()}
+
+
+def median_round(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median rate per server CPU-second (req/s without a server), and every round's rate."""
+    def rate(e: dict[str, Any]) -> float:
+        return float(e.get("per_server_cpu_s") or e["rps"])
+
+    ranked = sorted(entries, key=rate)
+    return {**ranked[(len(ranked) - 1) // 2], "rounds": [round(rate(e)) for e in entries]}
