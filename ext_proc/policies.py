@@ -46,6 +46,7 @@ from inferlb_runtime.request_class import Priority
 
 from .catalogue import ModelCatalogue
 from .model import Candidate, Decision, EndpointView, Reply, RequestView
+from .failing_filter import FailingFilter
 from .model_filter import ModelFilter
 from .offered_work import OfferedWork
 from .slow_start import SlowStart
@@ -341,4 +342,4 @@ class InOrder:
 
 
 BUILTIN_CLASSES: dict[str, type] = {cls.name: cls for cls in (  # type: ignore[attr-defined]
-    Shed, ModelFilter, SlowStart, Rotate, CompletionTime, OutstandingRequests, OutstandingTokens, MaxScore, InOrder)}
+    Shed, ModelFilter, FailingFilter, SlowStart, Rotate, CompletionTime, OutstandingRequests, OutstandingTokens, MaxScore, InOrder)}

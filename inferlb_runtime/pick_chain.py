@@ -125,6 +125,16 @@ class SlowStartParams:
 
 
 @dataclass(frozen=True)
+class FailingParams:
+    """An endpoint whose ``error_rate`` telemetry is over ``max_error_rate`` is left out of the candidates
+    (while others remain), except for a ``probe_share`` of requests, so it can show it has recovered."""
+
+    max_error_rate: Annotated[float, Ge(0.0), Le(1.0)] = 0.5
+    probe_share: Annotated[float, Ge(0.0), Le(1.0)] = 0.02
+    seed: Seed = None
+
+
+@dataclass(frozen=True)
 class NoParams:
     """A plugin without parameters."""
 
@@ -160,6 +170,8 @@ BUILTIN_PLUGINS: Mapping[str, BuiltinPlugin] = {p.name: p for p in (
                   "counting the higher classes' work arriving while it waits)"),
     BuiltinPlugin("model", "filter", ModelParams, "the endpoints serving the body's model (a version, an alias, or "
                   "a rollout's version); 404 model_not_found for a name the fleet does not serve"),
+    BuiltinPlugin("failing", "filter", FailingParams,
+                  "leaves out endpoints answering mostly errors (error_rate telemetry), but for a share of probes"),
     BuiltinPlugin("slow_start", "filter", SlowStartParams,
                   "a newly routable endpoint takes a share of requests ramping up over a window"),
     BuiltinPlugin("rotate", "filter", RotateParams, "the next few routable endpoints in turn (round robin)"),
@@ -227,6 +239,7 @@ def _admission(p: Admission) -> tuple[PluginRef, ...]:
 
 
 MODEL_FILTER = PluginRef("model")  # the head of every preset's filters
+FAILING_FILTER = PluginRef("failing")  # next in every preset: a worker answering errors fast attracts no picks
 
 
 @dataclass(frozen=True)
@@ -261,7 +274,7 @@ def _model(seed: int | None) -> PluginRef:
 
 
 def _least_completion_time(p: LeastCompletionTimeParams) -> ChainSpec:
-    return ChainSpec("least_completion_time", admit=_admission(p), filters=(_model(p.seed),),
+    return ChainSpec("least_completion_time", admit=_admission(p), filters=(_model(p.seed), FAILING_FILTER),
                      sample=SampleParams(p.d, p.sample_weighted, p.seed),
                      scorers=(PluginRef("completion_time", {"weight_exponent": p.weight_exponent}),),
                      picker=PluginRef("max_score", {"fallbacks": p.fallbacks, "seed": p.seed}))
@@ -269,19 +282,19 @@ def _least_completion_time(p: LeastCompletionTimeParams) -> ChainSpec:
 
 def _round_robin(p: RoundRobinParams) -> ChainSpec:
     return ChainSpec("round_robin", admit=_admission(p),
-                     filters=(MODEL_FILTER, PluginRef("rotate", {"width": 1 + p.fallbacks})),
+                     filters=(MODEL_FILTER, FAILING_FILTER, PluginRef("rotate", {"width": 1 + p.fallbacks})),
                      picker=PluginRef("in_order", {"fallbacks": p.fallbacks}))
 
 
 def _least_outstanding(p: LeastOutstandingParams) -> ChainSpec:
-    return ChainSpec("least_outstanding", admit=_admission(p), filters=(_model(p.seed),),
+    return ChainSpec("least_outstanding", admit=_admission(p), filters=(_model(p.seed), FAILING_FILTER),
                      sample=SampleParams(p.d, False, p.seed),
                      scorers=(PluginRef("outstanding_requests"),),
                      picker=PluginRef("max_score", {"fallbacks": p.fallbacks, "seed": p.seed}))
 
 
 def _p2c_tokens(p: P2CTokensParams) -> ChainSpec:
-    return ChainSpec("p2c_tokens", admit=_admission(p), filters=(_model(p.seed),),
+    return ChainSpec("p2c_tokens", admit=_admission(p), filters=(_model(p.seed), FAILING_FILTER),
                      sample=SampleParams(2, p.sample_weighted, p.seed),
                      scorers=(PluginRef("outstanding_tokens"),),
                      picker=PluginRef("max_score", {"fallbacks": 1, "seed": p.seed}))

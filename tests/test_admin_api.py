@@ -422,8 +422,8 @@ def test_the_control_plane_catalogue_matches_ext_procs_pick_policies() -> None:
     extra = {"scorers": [{"plugin": "outstanding_tokens", "weight": 0.5}], "filters": [{"plugin": "rotate"}]}
     chain = registry.build("least_completion_time", pick_catalogue.validate_pick_params("least_completion_time",
                                                                                         extra))
-    assert [type(p).__name__ for p in chain.plugins] == ["Shed", "ModelFilter", "Rotate", "CompletionTime",
-                                                         "OutstandingTokens", "MaxScore"]
+    assert [type(p).__name__ for p in chain.plugins] == ["Shed", "ModelFilter", "FailingFilter", "Rotate",
+                                                         "CompletionTime", "OutstandingTokens", "MaxScore"]
 
 
 # --- xDS clients ----------------------------------------------------------------------------------------

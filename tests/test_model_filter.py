@@ -300,4 +300,5 @@ def test_the_registry_puts_its_one_slow_start_after_the_model_filter_in_every_ch
         names = [f.name for f in registry.build(policy).filters]
         assert names[:2] == ["model", "slow_start"], names
     assert registry.build("round_robin").filters[1] is registry.build("p2c_tokens").filters[1]
-    assert [f.name for f in PluginRegistry.with_slow_start(0).build("least_completion_time").filters] == ["model"]
+    assert [f.name for f in PluginRegistry.with_slow_start(0).build("least_completion_time").filters] == [
+        "model", "failing"]
