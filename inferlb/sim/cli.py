@@ -11,7 +11,8 @@ policies (ext_proc's Router: its pick chain, CostModel and Outstanding; the cont
 WeightPolicy) on a simulated clock, over 1 to 10,000+ workers. Prints the comparison table and writes
 the RunResults as JSON. --validate compares it with a live `inferlb bench run` results.json.
 
-Two ideal balancers bound what any balancer could do (simulator only, steady runs only):
+Two ideal balancers to measure the others against (simulator only, steady runs only; greedy, so close
+bounds rather than strict ones):
 oracle_clairvoyant sends each request where it finishes first, knowing every service time and backlog;
 oracle_central_queue is one FIFO queue feeding whichever slot frees first. Name them in --configurations
 or add both with --oracles; every other configuration's p99 and goodput are then reported as a ratio to
