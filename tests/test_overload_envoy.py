@@ -30,11 +30,15 @@ INPUTS = ["word " * 250] * 16  # 16 inputs of 252 tokens: ~1 s of simulated work
 BURST = 16  # critical requests: 8 per worker, 8 s to drain
 SHEDDABLE = 4
 SLO_MS = 1500  # over one request's predicted cost, under the burst's
+# Every request must be decided by ext_proc, so none may fail open after Envoy's 200 ms message timeout:
+# counting 16 concurrent bodies of ~4,000 tokens can take longer than that on a busy 2-core host (the
+# burst was then partly routed by Envoy alone, never reached BURST in flight, and the test timed out).
+CP_ENV = {"INFERLB_CP_DATA_PLANE__EXT_PROC_MESSAGE_TIMEOUT_MS": "10000"}
 
 
 def test_a_burst_on_slow_workers_sheds_sheddable_requests_and_serves_every_critical_one(tmp_path: Path) -> None:
     args = ("--sim-fixed-ms", "0", "--sim-per-token-us", str(PER_TOKEN_US))
-    with running_gateway(tmp_path, workers=2, worker_args=args, name="overload") as gw:
+    with running_gateway(tmp_path, workers=2, worker_args=args, name="overload", cp_env=CP_ENV) as gw:
         ext_proc, procs, ids = gw.ext_proc, gw.procs, gw.ids
         response = gw.admin("PUT", "/v1/policy", {"pick": {"name": "least_completion_time",
                                                             "params": {"slo_ms": SLO_MS}}})
@@ -71,3 +75,4 @@ def test_a_burst_on_slow_workers_sheds_sheddable_requests_and_serves_every_criti
         assert [r.status_code for r in answered] == [200] * BURST, [r.text for r in answered if r.status_code != 200]
         assert {r.headers.get("x-inferlb-endpoint") for r in answered} == ids  # the burst filled both workers
         assert sample(ext_proc.metrics(), "inferlb_ext_proc_admit_replies_total", code="overloaded") == SHEDDABLE
+        assert gw.envoy.stat("http.inferlb_http.ext_proc.failure_mode_allowed") in (0, None)  # none failed open
