@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
+# grpc reads GRPC_EXPERIMENTS once, when it loads, so this runs before anything imports it. Without its
+# EventEngine listener and endpoints, grpc 1.85's aio server hands each message between fewer threads:
+# ~26 context switches per ext_proc stream instead of ~43, and 1.2-1.7x the streams per CPU-second
+# (docs/benchmarks.md section 3). Set GRPC_EXPERIMENTS (even to "") to choose otherwise.
+GRPC_EXPERIMENTS_DEFAULT = "-event_engine_listener,-event_engine_for_all_other_endpoints"
+os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS_DEFAULT)
+
 import argparse
 import asyncio
 import logging
 import logging.config
-import os
 import signal
 import sys
 from pathlib import Path
@@ -155,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Pick policies: {policies}. Each is a chain of admit, filter, scorer and picker plugins; its "
                "'admit', 'filters' and 'scorers' params add plugins (README: Write your own policy). The control "
                "plane's EDS may switch it at run time. Tracing: off unless the standard OTEL_* variables turn it on "
-               "(e.g. OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317; docs/tracing.md).",
+               "(e.g. OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317; docs/tracing.md). grpc: "
+               f"GRPC_EXPERIMENTS defaults to {GRPC_EXPERIMENTS_DEFAULT} (fewer thread hops per message); set it, "
+               "even to \"\", to override.",
     )
     p.add_argument("--config", type=Path, help="TOML file with an [ext_proc] table")
     p.add_argument("--port", type=int, help="ExternalProcessor + grpc.health.v1 port (default 9002)")

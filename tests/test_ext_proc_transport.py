@@ -7,7 +7,10 @@ control plane, ext_proc and simulated workers show each transport carrying picks
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -166,3 +169,17 @@ def test_two_ext_procs_share_one_port_and_the_survivor_takes_the_picks(tmp_path:
         assert decisions(other) >= before + 5
         with httpx.Client(trust_env=False) as client:  # the survivor still serves its own port's health
             assert client.get(f"{other.metrics_url}/readyz").status_code == 200
+
+
+@pytest.mark.parametrize("given, expected", [(None, "-event_engine_listener,-event_engine_for_all_other_endpoints"),
+                                             ("", ""), ("pollset_alternative", "pollset_alternative")])
+def test_ext_proc_chooses_grpcs_endpoints_before_grpc_loads_unless_told(given: str | None, expected: str) -> None:
+    """``python -m ext_proc`` sets GRPC_EXPERIMENTS first thing (grpc reads it once, when it loads), and leaves
+    an operator's own value, even an empty one, alone."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    if given is not None:
+        env["GRPC_EXPERIMENTS"] = given
+    code = "import os, ext_proc.__main__; print(os.environ['GRPC_EXPERIMENTS'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
