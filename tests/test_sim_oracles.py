@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import CONFIGURATIONS, Fleet, Scenario, WorkerSpec
+from inferlb.bench.scenario import CONFIGURATIONS, Fleet, Scenario, Slowdown, WorkerSpec
 from inferlb.bench.trace import build_trace
 from inferlb.sim.engine import Clock, Engine
 from inferlb.sim.fleet import SimFleet
@@ -130,9 +130,45 @@ def test_the_better_oracle_is_no_worse_than_any_balancer(load: float) -> None:
             assert min(r.p99_s for r in oracle) <= other.p99_s, configuration
 
 
-def test_oracles_have_no_slowdown_run() -> None:
-    with pytest.raises(ValueError, match="no slowdown run"):
-        simulate(replace(small(), slowdown=Scenario().slowdown), ORACLE_CLAIRVOYANT, 0.7, run=SLOWDOWN)
+def test_the_clairvoyant_knows_the_speed_schedule_by_hand() -> None:
+    # Speeds 1 and 1, one slot each, 10 ms per token / speed; worker 0 runs at half speed for jobs starting in
+    # [0.05, 0.25), as the engine's events set it.
+    #   t=0.00  10 tok: both idle, 0.10 each (tie)                          -> w0 at 0.10
+    #   t=0.06  10 tok: w0 from 0.10 (slow) 0.30, w1 idle 0.16              -> w1 at 0.16
+    #   t=0.07  10 tok: w0 from 0.10 (slow) 0.30, w1 from 0.16 0.26         -> w1 at 0.26 (blind: w0, "0.20")
+    #   t=0.08   4 tok: w0 from 0.10 (slow) 0.18, w1 from 0.26 0.30         -> w0 at 0.18
+    #   t=0.20  10 tok: w0 from 0.20 (slow) 0.40, w1 from 0.26 0.36         -> w1 at 0.36
+    #   t=0.30  10 tok: w0 from 0.30 (recovered) 0.40, w1 from 0.36 0.46    -> w0 at 0.40
+    fleet = SimFleet(Fleet(workers=(WorkerSpec(1.0), WorkerSpec(1.0)), fixed_s=0.0, per_token_s=0.01,
+                           cost_scale=1.0))
+    oracle = Oracle(fleet, ORACLE_CLAIRVOYANT)
+    oracle.expect_slowdown(0, 0.5, 0.05, 0.25)
+    engine = Engine(fleet, oracle, Clock())
+
+    def set_speed(speed: float):  # type: ignore[no-untyped-def]
+        def call(now: float) -> None:
+            fleet.workers[0].speed = speed
+        return call
+
+    engine.at(0.05, set_speed(0.5))
+    engine.at(0.25, set_speed(1.0))
+    out = engine.run(np.array([0.0, 0.06, 0.07, 0.08, 0.20, 0.30]), np.array([10, 10, 10, 4, 10, 10]), until_s=10.0)
+    assert out.worker.tolist() == [0, 1, 1, 0, 1, 0]
+    assert out.finished_at.tolist() == pytest.approx([0.10, 0.16, 0.26, 0.18, 0.36, 0.40], abs=1e-12)
+
+
+@pytest.mark.parametrize("duration_s", [0.0, 3.0])
+def test_in_the_slowdown_run_the_oracles_are_no_worse_than_any_balancer(duration_s: float) -> None:
+    # Worker 0 (fast) at a quarter of its speed 2 s into the window, for good or for 3 s. At 60% load the fleet
+    # keeps up even slowed (73% of its capacity left): in overload the FIFO oracles do not bound goodput.
+    scenario = replace(small(), slowdown=Slowdown(worker=0, factor=0.25, at_s=2.0, duration_s=duration_s, load=0.6))
+    oracle = [simulate(scenario, o, 0.6, run=SLOWDOWN)[0] for o in ORACLES]
+    assert all(r.run == SLOWDOWN and r.timeouts == 0 for r in oracle)
+    for configuration in COMPARED:
+        other, _ = simulate(scenario, configuration, 0.6, run=SLOWDOWN)
+        assert min(r.mean_s for r in oracle) <= other.mean_s, configuration
+        assert min(r.p99_s for r in oracle) <= other.p99_s, configuration
+        assert max(r.goodput_rps for r in oracle) >= other.goodput_rps, configuration
 
 
 def _result(configuration: str, p99_s: float, goodput_rps: float, load: float = 0.8) -> RunResult:
@@ -169,7 +205,12 @@ def test_cli_runs_inferlb_against_the_clairvoyant_on_every_scenario_file(scenari
     runs = json.loads(out.read_text())
     results = {r["configuration"]: r for r in runs if r["run"] == "steady"}
     assert set(results) == {"inferlb_ext_proc", ORACLE_CLAIRVOYANT}
-    assert all(r["configuration"] == "inferlb_ext_proc" for r in runs if r["run"] == SLOWDOWN)  # no oracle's
+    slowdown = {r["configuration"]: r for r in runs if r["run"] == SLOWDOWN}
+    if "slowdown = false" in scenario.read_text():
+        assert not slowdown
+    else:  # the oracles run the slowdown run too, knowing the speed schedule
+        assert set(slowdown) == {"inferlb_ext_proc", ORACLE_CLAIRVOYANT}
+        assert slowdown["inferlb_ext_proc"]["extra"][VS_ORACLE]["p99_oracle"] == ORACLE_CLAIRVOYANT
     inferlb, oracle = results["inferlb_ext_proc"], results[ORACLE_CLAIRVOYANT]
     assert oracle["completed"] > 0
     assert inferlb["extra"][VS_ORACLE]["p99_ratio"] == pytest.approx(inferlb["p99_s"] / oracle["p99_s"])

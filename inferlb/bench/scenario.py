@@ -102,6 +102,39 @@ class WorkerSpec:
 
 
 DEFAULT_SPEEDS = (1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.25, 0.25)
+MAX_WORKERS = 100_000  # a fleet larger than this is a typo, not a scenario (the simulator's own ceiling)
+
+
+@dataclass(frozen=True)
+class WorkerGroup:
+    """``count`` identical workers: the compact form of ``fleet.workers`` for large fleets (input only;
+    ``Fleet`` holds the expanded list, so a scenario written back out reads the same)."""
+
+    count: int = 1
+    speed: float = 1.0
+    slots: int = 1
+
+
+def expand_groups(groups: tuple[WorkerGroup, ...], repeat: int = 1, where: str = "fleet") -> tuple[WorkerSpec, ...]:
+    """The workers of ``groups`` in order (each group's ``count`` in a row), the whole list ``repeat`` times:
+    deterministic, so a run replays. Refuses, by name, empty or bad groups and more than ``MAX_WORKERS``."""
+    if not groups:
+        raise ScenarioError(f"{where}.groups needs at least one group")
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ScenarioError(f"{where}.repeat must be an integer >= 1, got {repeat!r}")
+    for i, g in enumerate(groups):
+        at = f"{where}.groups[{i}]"
+        if isinstance(g.count, bool) or not isinstance(g.count, int) or g.count < 1:
+            raise ScenarioError(f"{at}.count must be an integer >= 1, got {g.count!r}")
+        if isinstance(g.slots, bool) or not isinstance(g.slots, int) or g.slots < 1:
+            raise ScenarioError(f"{at}.slots must be an integer >= 1, got {g.slots!r}")
+        if not g.speed > 0:
+            raise ScenarioError(f"{at}.speed must be > 0, got {g.speed!r}")
+    total = sum(g.count for g in groups) * repeat
+    if total > MAX_WORKERS:
+        raise ScenarioError(f"{where}.groups describe {total:,} workers; at most {MAX_WORKERS:,}")
+    once = tuple(WorkerSpec(g.speed, g.slots) for g in groups for _ in range(g.count))
+    return once * repeat
 
 
 @dataclass(frozen=True)
@@ -120,11 +153,13 @@ class Fleet:
 
 @dataclass(frozen=True)
 class Slowdown:
-    """The mid-run slowdown run: worker ``worker``'s speed is multiplied by ``factor`` at ``at_s``."""
+    """The mid-run slowdown run: worker ``worker``'s speed is multiplied by ``factor`` at ``at_s`` and, when
+    ``duration_s`` > 0, restored ``duration_s`` later (0: slow until the run ends, the original form)."""
 
     worker: int = 0
     factor: float = 0.25
     at_s: float = 10.0
+    duration_s: float = 0.0
     load: float = 0.7  # fraction of capacity for the slowdown run
 
 
@@ -174,6 +209,7 @@ def _validate(s: Scenario) -> None:
     need(s.capacity_rps >= 0, "capacity_rps must be >= 0 (0: search for it)")
     need(all(0 < x <= 2 for x in s.loads), "loads are fractions of capacity in (0, 2]")
     need(len(s.fleet.workers) >= 1, "fleet.workers needs at least one worker")
+    need(len(s.fleet.workers) <= MAX_WORKERS, f"fleet.workers: at most {MAX_WORKERS:,} workers")
     need(all(w.speed > 0 and w.slots >= 1 for w in s.fleet.workers), "every worker needs speed > 0 and slots >= 1")
     need(s.fleet.cost_scale > 0 and s.fleet.fixed_s >= 0 and s.fleet.per_token_s >= 0,
          "fleet.cost_scale must be > 0 and the costs >= 0")
@@ -199,6 +235,7 @@ def _validate(s: Scenario) -> None:
     if s.slowdown is not None:
         need(0 <= s.slowdown.worker < len(s.fleet.workers), "slowdown.worker is not a worker index")
         need(s.slowdown.factor > 0 and s.slowdown.at_s >= 0, "slowdown.factor must be > 0 and at_s >= 0")
+        need(s.slowdown.duration_s >= 0, "slowdown.duration_s must be >= 0 (0: slow until the run ends)")
     need(s.scrape_interval_s > 0 and s.ext_proc_replicas >= 1, "scrape_interval_s > 0, ext_proc_replicas >= 1")
     need(s.hop_overhead_s >= 0 and s.ext_proc_overhead_s >= 0, "hop_overhead_s and ext_proc_overhead_s must be >= 0")
 
@@ -207,6 +244,8 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
     """A frozen dataclass from a TOML table: unknown keys and wrong types are refused by name."""
     if not isinstance(data, Mapping):
         raise ScenarioError(f"{where or 'scenario'} must be a table")
+    if cls is Fleet:
+        data = _fleet_groups(data, where)
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:
@@ -228,11 +267,29 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
         raise ScenarioError(f"{where or 'scenario'}: {exc}") from None
 
 
+def _fleet_groups(data: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """A ``[fleet]`` table with ``groups`` (and ``repeat``) instead of ``workers``, as the one with ``workers``."""
+    if "groups" not in data:
+        if "repeat" in data:
+            raise ScenarioError(f"{where}.repeat needs {where}.groups")
+        return data
+    if "workers" in data:
+        raise ScenarioError(f"{where}: give either workers or groups, not both")
+    groups = data["groups"]
+    if not isinstance(groups, list):
+        raise ScenarioError(f"{where}.groups must be an array of tables")
+    built = tuple(_build(WorkerGroup, g, f"{where}.groups[{i}]") for i, g in enumerate(groups))
+    rest = {k: v for k, v in data.items() if k not in ("groups", "repeat")}
+    return {**rest, "workers": expand_groups(built, data.get("repeat", 1), where)}
+
+
 def _convert(name: str, value: Any, default: Any, path: str) -> Any:
     if name == "mix":
         if not isinstance(value, list):
             raise ScenarioError(f"{path} must be an array of tables")
         return tuple(_build(LengthBucket, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if name == "workers" and isinstance(value, tuple):  # expanded from groups
+        return value
     if name == "workers" and isinstance(value, list):
         return tuple(_build(WorkerSpec, v, f"{path}[{i}]") if isinstance(v, Mapping) else WorkerSpec(float(v))
                      for i, v in enumerate(value))

@@ -11,8 +11,8 @@ policies (ext_proc's Router: its pick chain, CostModel and Outstanding; the cont
 WeightPolicy) on a simulated clock, over 1 to 10,000+ workers. Prints the comparison table and writes
 the RunResults as JSON. --validate compares it with a live `inferlb bench run` results.json.
 
-Two ideal balancers to measure the others against (simulator only, steady runs only; greedy, so close
-bounds rather than strict ones):
+Two ideal balancers to measure the others against (simulator only; greedy, so close bounds rather than
+strict ones; in the slowdown run they know the speed schedule too):
 oracle_clairvoyant sends each request where it finishes first, knowing every service time and backlog;
 oracle_central_queue is one FIFO queue feeding whichever slot frees first. Name them in --configurations
 or add both with --oracles; every other configuration's p99 and goodput are then reported as a ratio to
@@ -23,6 +23,7 @@ examples:
   inferlb sim                                        the default scenario, every configuration
   inferlb sim --scenario scenarios/sim_scale.toml --configurations envoy_least_request,inferlb_ext_proc
   inferlb sim --workers 10000 --rate 100000 --duration 5 --replicas 10 --json scale.json
+  inferlb sim --scenario scenarios/sim_scale.toml --summary docs/bench/sim_scale.json   what git keeps
   inferlb sim --scenario scenarios/overload.toml --shed-slo-ms 0     the overload without shedding
   inferlb sim --configurations inferlb_ext_proc,oracle_clairvoyant  inferlb against the clairvoyant bound
   inferlb sim --scenario scenarios/bursty.toml --oracles --loads 0.7,0.8,0.9 --no-slowdown
@@ -41,7 +42,7 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                      help="comma-separated configurations (default: the scenario's, plus its pick_policies); "
                           "also oracle_clairvoyant and oracle_central_queue")
     sim.add_argument("--oracles", action="store_true",
-                     help="add both oracles (steady runs) and report each configuration against the better one")
+                     help="add both oracles and report each configuration against the better one")
     sim.add_argument("--loads", metavar="LIST", type=_csv, help="comma-separated fractions of capacity, e.g. 0.5,0.8")
     sim.add_argument("--workers", metavar="N", type=int,
                      help="scale the scenario fleet to N workers by repeating its speed mix")
@@ -56,6 +57,9 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     sim.add_argument("--shed-slo-ms", metavar="MS", type=float,
                      help="ext_proc's slo_ms: shed sheddable requests predicted to complete later (0: no shedding)")
     sim.add_argument("--json", metavar="FILE", help="write the RunResults (or, with --validate, the comparison)")
+    sim.add_argument("--summary", metavar="FILE",
+                     help="write a small JSON summary: per configuration, run and load the figures, the ratios to "
+                          "the better oracle and the spread per kind of worker (no per-request or per-worker data)")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     sim.add_argument("--validate", metavar="BENCH_RESULTS", help="compare with a live bench results.json")
     sim.set_defaults(func=_main)

@@ -82,8 +82,8 @@ def oracles_from_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def plan(scenario: Scenario, rate: float | None, oracles: tuple[str, ...] = ()) -> list[tuple[str, float | None, str]]:
-    """Every (configuration, load, run) to simulate, in the bench's order, then the oracles' steady runs (they
-    have no slowdown run); load None: at ``rate``."""
+    """Every (configuration, load, run) to simulate, in the bench's order, the oracles after the scenario's own
+    in each run; load None: at ``rate``."""
     runs: list[tuple[str, float | None, str]] = []
     for c in scenario.configurations + oracles:
         for load in ((None,) if rate is not None else scenario.loads):
@@ -92,7 +92,7 @@ def plan(scenario: Scenario, rate: float | None, oracles: tuple[str, ...] = ()) 
         for load in ((None,) if rate is not None else scenario.pick_policy_loads):
             runs.append((f"{PICK_PREFIX}{p}", load, STEADY))
     if scenario.slowdown is not None:
-        runs += [(c, scenario.slowdown.load, SLOWDOWN) for c in scenario.configurations]
+        runs += [(c, scenario.slowdown.load, SLOWDOWN) for c in scenario.configurations + oracles]
     return runs
 
 
@@ -157,4 +157,7 @@ def main(args: argparse.Namespace) -> int:
     print(report.render(results, scenario, capacity_rps(scenario)))
     if args.json:
         Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=2) + "\n")
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(report.summary(results, scenario, capacity_rps(scenario)),
+                                                 indent=2) + "\n")
     return 0

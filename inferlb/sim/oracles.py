@@ -20,14 +20,17 @@ hands its head to the first slot to free, whatever comes after, so deciding at a
 is the same schedule. The worker's queue then holds exactly the requests the central queue would hand it,
 in order.
 
-Limits: the cost model must hold still, so the oracles do not run in the slowdown run (a speed change would
-make their backlog wrong); with a class mix the workers reorder their own queues by class, so the backlog
+The slowdown run: a clairvoyant knows the speed schedule too (``expect_slowdown``: which worker, by how
+much, from when to when), so a job's time is its work over the speed the worker has when the job starts, as
+in the engine; a job starting at the very instant of a speed change may be costed at the other speed (the
+engine orders same-time events by insertion). Limits: with a class mix the workers reorder their own queues by class, so the backlog
 is exact only for the last request in line (the bound is then approximate). They never shed.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,20 +59,37 @@ class Oracle:
         self._free = np.zeros(len(fleet))  # each worker's earliest free slot
         self._speed = np.array([w.speed for w in fleet.workers], dtype=np.float64)
         self._clairvoyant = name == ORACLE_CLAIRVOYANT
+        self._slow: tuple[int, float, float, float] | None = None  # (worker, factor, from_s, until_s)
+
+    def expect_slowdown(self, worker: int, factor: float, from_s: float, until_s: float = math.inf) -> None:
+        """Worker ``worker`` runs at ``factor`` times its speed for jobs starting in [from_s, until_s)."""
+        self._slow = (worker, factor, from_s, until_s)
+
+    def _speeds(self, start: np.ndarray) -> np.ndarray:
+        """Each worker's speed for a job starting at ``start`` (per worker)."""
+        if self._slow is None:
+            return self._speed
+        w, factor, lo, hi = self._slow
+        if not lo <= start[w] < hi:
+            return self._speed
+        speed = self._speed.copy()
+        speed[w] = self._speed[w] * factor  # the engine's normal * factor: the same float
+        return speed
 
     def pick(self, request: int, tokens: int, now: float) -> int:
         start = np.maximum(self._free, now)
+        speeds = self._speeds(start)
         work = self._fleet.work_s(tokens)
         if self._clairvoyant:
-            finish = start + work / self._speed  # the engine's service_s, elementwise: the same floats
+            finish = start + work / speeds  # the engine's service_s, elementwise: the same floats
             best = int(finish.argmin())  # first minimum: the lowest index on a tie
         else:
             first = start.min()
             tied = np.flatnonzero(start == first)
-            best = int(tied[self._speed[tied].argmax()]) if tied.size > 1 else int(tied[0])
+            best = int(tied[speeds[tied].argmax()]) if tied.size > 1 else int(tied[0])
         slots = self._slots[best]
         begin = slots[0] if slots[0] > now else now
-        heapq.heapreplace(slots, begin + self._fleet.service_s(self._fleet.workers[best], tokens))
+        heapq.heapreplace(slots, begin + work / float(speeds[best]))
         self._free[best] = slots[0]
         return best
 

@@ -1,5 +1,5 @@
 """What ``inferlb sim`` prints: the bench's comparison table plus a spread summary per run (and, with a
-class mix, each class's figures).
+class mix, each class's figures); and the summary it writes with ``--summary``.
 
 The table itself is the bench's (``inferlb.bench.table``), so simulated and
 live figures read alike; the spread says how the requests were shared out,
@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from inferlb.bench.results import RunResult
 from inferlb.bench.scenario import Scenario
@@ -80,6 +81,45 @@ def spread_summary(result: RunResult, scenario: Scenario) -> str:
         by_speed.setdefault(w.speed, []).append(c)
     parts = [f"speed {speed:g}: {statistics.fmean(cs):.0f}/worker" for speed, cs in sorted(by_speed.items())]
     return ", ".join(parts) + f" (min {min(counts)}, max {max(counts)})"
+
+
+def spread_by_group(result: RunResult, scenario: Scenario) -> dict[str, dict[str, float]]:
+    """Completed requests per worker for each kind of worker ("speed 0.5, 2 slots"): mean, min, max."""
+    kinds: dict[str, list[int]] = {}
+    for i, w in enumerate(scenario.fleet.workers):
+        kinds.setdefault(f"speed {w.speed:g}, {w.slots} slot{'s' if w.slots > 1 else ''}", []).append(
+            int(result.spread.get(str(i), 0)))
+    return {k: {"workers": len(cs), "mean": round(statistics.fmean(cs), 1), "min": min(cs), "max": max(cs)}
+            for k, cs in kinds.items()}
+
+
+SUMMARY_FIELDS = ("configuration", "run", "load", "offered_rps", "sent", "completed", "errors", "timeouts",
+                  "p50_s", "p90_s", "p99_s", "p999_s", "mean_s", "goodput_rps")
+
+
+def summary(results: Sequence[RunResult], scenario: Scenario, capacity_rps: float) -> dict[str, Any]:
+    """Per (configuration, run, load): the figures, the ratios to the better oracle when there is one, and the
+    spread per kind of worker; no per-request or per-worker data, so a 10,000-worker run stays a few kB in
+    git (the full RunResults, CDF and per-worker spread included, are ``--json``'s)."""
+    slowdown = scenario.slowdown
+    runs = []
+    for r in results:
+        row: dict[str, Any] = {name: getattr(r, name) for name in SUMMARY_FIELDS}
+        row["goodput_of_capacity"] = r.extra.get("goodput_of_capacity")
+        row.update({k: v for k, v in r.extra.items()
+                    if k in ("ext_proc_replicas", "ext_proc_fallbacks", "ext_proc_shed", "cost_mape", "classes")})
+        if VS_ORACLE in r.extra:
+            row[VS_ORACLE] = r.extra[VS_ORACLE]
+        row["spread"] = spread_by_group(r, scenario)
+        runs.append(row)
+    return {"scenario": scenario.name, "seed": scenario.seed, "workers": len(scenario.fleet.workers),
+            "slots": sum(w.slots for w in scenario.fleet.workers), "capacity_rps": capacity_rps,
+            "warmup_s": scenario.warmup_s, "duration_s": scenario.duration_s, "slo_s": scenario.slo_s,
+            "ext_proc_replicas": scenario.ext_proc_replicas,
+            "slowdown": None if slowdown is None else {"worker": slowdown.worker, "factor": slowdown.factor,
+                                                       "at_s": slowdown.at_s, "duration_s": slowdown.duration_s,
+                                                       "load": slowdown.load},
+            "results": runs}
 
 
 def class_table(results: Sequence[RunResult]) -> list[str]:

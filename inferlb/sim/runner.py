@@ -6,7 +6,8 @@ requests scheduled after the warm-up, like the bench's load generator:
 latency from the scheduled send time to completion, plus the scenario's
 constant hop (and ext_proc) overhead, a timeout when that exceeds ``request_timeout_s``. The slowdown
 run multiplies one worker's speed by ``slowdown.factor`` at ``slowdown.at_s``
-seconds into the measured window (after the warm-up), as the bench does.
+seconds into the measured window (after the warm-up), as the bench does, and
+restores it ``slowdown.duration_s`` later when that is set.
 
 With a class mix (``workload.classes``) each request gets its class as the
 live overload bench sends it (``inferlb.bench.classes``), the workers' queues
@@ -134,8 +135,6 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
     """
     options = options or SimOptions()
     capacity = capacity_rps(scenario)
-    if run == SLOWDOWN and is_oracle(configuration):
-        raise ValueError(f"{configuration} needs a cost model that holds still: it has no slowdown run")
     if rate_rps is None:
         if load is None:
             raise ValueError("give a load or a rate")
@@ -173,10 +172,21 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
         slow = scenario.slowdown
         worker = fleet.workers[slow.worker]
 
+        normal = worker.speed
+
         def slow_down(now: float) -> None:
-            worker.speed *= slow.factor
+            worker.speed = normal * slow.factor
+
+        def recover(now: float) -> None:
+            worker.speed = normal
 
         engine.at(scenario.warmup_s + slow.at_s, slow_down)  # at_s counts from the measured window, as the bench
+        if slow.duration_s > 0:
+            engine.at(scenario.warmup_s + slow.at_s + slow.duration_s, recover)
+        if isinstance(balancer, Oracle):  # clairvoyant about the speed schedule too
+            balancer.expect_slowdown(slow.worker, slow.factor, scenario.warmup_s + slow.at_s,
+                                     scenario.warmup_s + slow.at_s + slow.duration_s if slow.duration_s > 0
+                                     else math.inf)
     until = total_s + scenario.request_timeout_s
     cpu = time.process_time()
     outcome = engine.run(trace.send_at_s, trace.tokens, until, progress, priorities=classes)
