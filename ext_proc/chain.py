@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from .costing import Costing
 from .catalogue import ModelCatalogue
 from .model import Admit, Candidate, Decision, EndpointView, Filter, Picker, Reply, RequestView, Scorer
-from .policies import Sampler
+from .policies import Sampler, Shed
 
 
 class PickChain:
@@ -53,6 +53,7 @@ class PickChain:
         self._resolving = tuple(f for f in self.filters if callable(getattr(f, "resolve", None)))
         self._watching = tuple(p for p in self.plugins if callable(getattr(p, "new_view", None)))
         self._deciding = tuple(p for p in self.plugins if callable(getattr(p, "decided", None)))
+        self._shedding = tuple(a for a in self.admit if isinstance(a, Shed))
         self._single = self.scorers[0][0] if len(self.scorers) == 1 and self.scorers[0][1] == 1.0 else None
 
     @property
@@ -105,7 +106,22 @@ class PickChain:
         """The admit plugins' answer to ``request`` as the fleet stands, without a pick and without resolving its
         model (a rollout's split draws once, at the decision): a sheddable request about to wait in the fair
         queue hears at once that it is shed, not after its wait."""
-        return self._admitted(request, self._candidates(request, pool, costing))
+        return self._admitted(request, self._candidates(request, pool, costing, observe=False))
+
+    def screen_unseen(self, request: RequestView, pool: Sequence[EndpointView], costing: Costing) -> Reply | None:
+        """The built-in ``shed`` plugins' answer to a request whose body has not come, taken to cost nothing
+        and with no filter, sample or budget step (each only narrows the candidates): the best prediction here
+        bounds from below every one its decision could see, so a request shed here would be shed then too
+        (unless the fleet changes meanwhile). Other admit plugins are not asked: they judge requests, not
+        a bound."""
+        if not self._shedding or not pool:
+            return None
+        candidates = [c._replace(predicted_cost_s=0.0) for c in costing.candidates(request, pool, observe=False)]
+        for step in self._shedding:
+            reply = step.admit(request, candidates)
+            if reply is not None:
+                return reply
+        return None
 
     def _admitted(self, request: RequestView, candidates: Sequence[Candidate]) -> Reply | None:
         """The first admit plugin's reply, or None: the request goes on to be picked."""
@@ -115,8 +131,9 @@ class PickChain:
                 return reply
         return None
 
-    def _candidates(self, request: RequestView, pool: Sequence[EndpointView], costing: Costing) -> list[Candidate]:
-        """filters -> sample -> cost -> budget."""
+    def _candidates(self, request: RequestView, pool: Sequence[EndpointView], costing: Costing,
+                    observe: bool = True) -> list[Candidate]:
+        """filters -> sample -> cost -> budget (``observe``: a decision, whose size and rate costing learns)."""
         for f in self.filters:
             if not pool:
                 return []
@@ -128,7 +145,7 @@ class PickChain:
             pool = self.sampler.sample(pool, keep)
         else:
             pool = self.sampler.sample(pool)
-        candidates = costing.candidates(request, pool)
+        candidates = costing.candidates(request, pool, observe)
         if request.budget_s is not None:
             candidates = within_budget(candidates, request.budget_s)
         return candidates

@@ -96,11 +96,15 @@ class Costing:
         own = self._own_rps
         self.replica_factor = min(MAX_REPLICA_FACTOR, fleet_rps / own) if own > 0 and fleet_rps > own else 1.0
 
-    def candidates(self, request: RequestView, pool: Sequence[EndpointView]) -> list[Candidate]:
-        """Every routable endpoint of ``pool``, costed for ``request`` (a plugin cannot smuggle in another)."""
+    def candidates(self, request: RequestView, pool: Sequence[EndpointView], observe: bool = True) -> list[Candidate]:
+        """Every routable endpoint of ``pool``, costed for ``request`` (a plugin cannot smuggle in another).
+        ``observe`` False: a look that decides nothing (the shed's screens), so neither the mean request size
+        nor our decision rate moves."""
         tokens = request.tokens
         version = request.version  # the model version it runs on, when the model filter chose one
-        self._mean_tokens += 0.02 * (tokens - self._mean_tokens)
+        if observe:
+            self._mean_tokens += 0.02 * (tokens - self._mean_tokens)
+            self._decisions += 1
         predict = self.cost.predict
         load_of = self.outstanding.load_of
         loads = self._loads
@@ -109,7 +113,6 @@ class Costing:
         eds_at = self._eds_at
         ours_at_eds = self._ours_at_eds
         factor = self.replica_factor
-        self._decisions += 1
         now = -1.0
         candidates: list[Candidate] = []
         for e in pool:

@@ -98,6 +98,13 @@ class Router:
             self._new_view(fleet)
         return self.chain.screen(request, self._candidates, self.costing)
 
+    def screen_unseen(self, request: RequestView, fleet: Sequence[EndpointView]) -> Reply | None:
+        """The shed's verdict on a request whose body has not come, as if it cost nothing
+        (``PickChain.screen_unseen``): a 429 here is one the decision would give it too."""
+        if fleet is not self._fleet:
+            self._new_view(fleet)
+        return self.chain.screen_unseen(request, self._candidates, self.costing)
+
     def _new_view(self, fleet: Sequence[EndpointView]) -> None:
         """The head filters run once per view (their answer is the same until EDS changes)."""
         self._fleet = fleet

@@ -6,7 +6,8 @@ message) and the response headers. Per stream:
 
 1. **Request headers** -> CONTINUE, removing any pick header the client sent
    (override_host honours whatever it finds, so only ext_proc may set it).
-   A request without a body (GET) is decided here.
+   A request without a body (GET) is decided here. A ``sheddable`` one the shed plugin would shed even
+   at no cost of its own is answered 429 here, before Envoy buffers its body (``_shed_unseen``).
 2. **Request body** -> count its tokens and ask the router (``routing.py``:
    the pick chain) where it goes. A pick: the ``x-gateway-destination-endpoint``
    header and the same value as dynamic metadata ``envoy.lb`` (primary first,
@@ -531,6 +532,10 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if priority is not (asked if asked is not None else Priority.STANDARD):
             # The workers order their queues by the class header: tell them the class the key allows.
             mutation += self._class_entries[priority]
+        if priority is Priority.SHEDDABLE and not message.end_of_stream:
+            shed = self._shed_unseen(stream)
+            if shed is not None:
+                return shed
         if message.end_of_stream:  # no body is coming (GET): decide now (or list the models)
             stream.mutation = mutation
             stream.held = False
@@ -586,20 +591,42 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         return self._refusal(stream, Reply(404, "model_not_found", catalogue.unknown_message(name),
                                            type="invalid_request_error", param="model"))
 
+    def _shed_unseen(self, stream: _Stream) -> bytes | None:
+        """A sheddable request shed before its body comes, when the shed plugin would shed it even if it cost
+        nothing: Envoy never buffers the body, nothing is counted, the 429 goes at once. Only when nothing
+        else must see the body first: its key has no quota (checked on the exact token count, before any
+        shed), the gateway cache cannot answer it (off, not a cacheable request, or ``no-store``/``no-cache``:
+        a hit costs no worker, so it is served, not shed) and the data plane sent no subset hint (its pool is
+        not the one judged here). None: judged as before, once the body is in."""
+        if not stream.caller.quota.unlimited or stream.subset is not None:
+            return None
+        if self.cache is not None and cacheable_request(stream.headers):
+            asked = directives(stream.headers)
+            if not (asked.no_store or asked.no_cache):
+                return None
+        return self._screened(stream, RequestView(0, True, None, 0, stream.headers), unseen=True)
+
     def _shed_before_waiting(self, stream: _Stream, request: RequestView) -> bytes | None:
         """A sheddable request the chain would shed is told so before it waits in the fair queue, where its
         turn comes after every critical and standard request's (its 429 took seconds): the chain's admit
         verdict on the fleet as it stands, no pick made. None: it waits, and is judged again when decided."""
         if stream.priority is not Priority.SHEDDABLE:
             return None
+        return self._screened(stream, request, unseen=False)
+
+    def _screened(self, stream: _Stream, request: RequestView, unseen: bool) -> bytes | None:
+        """The 429 of a screen (``Router.screen``, or ``screen_unseen`` before the body), or None: judged later.
+        A failing screen judges nothing (logged): the decision still runs the whole chain."""
         view = self.source.view
         if view is None or not view.routable:
             return None
         request = self._with_caller(stream, request)
         try:
-            reply = self.router.screen(request, view.endpoints)
+            screen = self.router.screen_unseen if unseen else self.router.screen
+            reply = screen(request, view.endpoints)
         except Exception:
-            log.exception("pick chain failed screening a sheddable request; it waits its turn")
+            log.exception("pick chain failed screening a sheddable request; it is judged later",
+                          extra={"unseen": unseen})
             return None
         return self._reply(stream, request, reply) if reply is not None else None
 

@@ -96,9 +96,8 @@ def test_round_robin_skips_the_endpoint_that_would_miss_the_deadline() -> None:
 def test_a_sheddable_request_on_an_overloaded_fleet_gets_429_and_a_critical_one_a_pick(counter: TokenCounter) -> None:
     async def scenario() -> None:
         async with serving(counter, static_view([busy(A), busy(B)])) as h:
-            call = h.stub.Process()
-            await exchange(call, request_headers({"x-gateway-inference-objective": "sheddable"}))
-            response = await exchange(call, request_body({"input": "a batch job"}))
+            call = h.stub.Process()  # shed at its headers: it would be even if it cost nothing (no cache here)
+            response = await exchange(call, request_headers({"x-gateway-inference-objective": "sheddable"}))
             assert response.WhichOneof("response") == "immediate_response"
             immediate = response.immediate_response
             assert immediate.status.code == 429

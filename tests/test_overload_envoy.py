@@ -8,7 +8,9 @@ the first request on. A burst of ``BURST`` critical requests holds ``BURST / 2``
 the two workers, and ext_proc (which counts its own requests in flight exactly) predicts several seconds
 for anything sent on top of it, far over the 1.5 s SLO; on an idle fleet it predicts one second, under it.
 The sheddable requests go out once ext_proc's own metric shows the whole burst in flight (a condition
-waited on); the burst takes seconds to drain, so they meet a full fleet.
+waited on); the burst takes seconds to drain, so they meet a full fleet. They are shed at their request
+headers (the stack's gateway cache is off, and they have no quota): ext_proc never sees their bodies, so
+their tokens are never counted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from inferlb_runtime.api_keys import ANONYMOUS_TENANT
 from inferlb_runtime.request_class import OBJECTIVE_HEADER
 
 from .stack import http, running_gateway, sample, wait_for
@@ -75,4 +78,9 @@ def test_a_burst_on_slow_workers_sheds_sheddable_requests_and_serves_every_criti
         assert [r.status_code for r in answered] == [200] * BURST, [r.text for r in answered if r.status_code != 200]
         assert {r.headers.get("x-inferlb-endpoint") for r in answered} == ids  # the burst filled both workers
         assert sample(ext_proc.metrics(), "inferlb_ext_proc_admit_replies_total", code="overloaded") == SHEDDABLE
+        wait_for(lambda: sample(ext_proc.metrics(), "inferlb_ext_proc_tenant_requests_total", tenant=ANONYMOUS_TENANT,
+                                outcome="shed") == SHEDDABLE, 30, "the shed requests' streams to end", procs)
+        # shed at the headers: no body reached ext_proc (a shed body's ~4,000 tokens would be counted here)
+        assert sample(ext_proc.metrics(), "inferlb_ext_proc_tenant_tokens_total", tenant=ANONYMOUS_TENANT,
+                      outcome="shed") == 0
         assert gw.envoy.stat("http.inferlb_http.ext_proc.failure_mode_allowed") in (0, None)  # none failed open

@@ -167,7 +167,9 @@ def test_a_sheddable_request_is_shed_before_waiting_in_the_fair_queue(counter: T
     SHEDDABLE = {"x-gateway-inference-objective": "sheddable"}
 
     async def scenario(endpoint: EndpointView) -> str | None:
-        async with serving(counter, static_view([endpoint]), settings=ServiceSettings(fair_queue_depth=1)) as h:
+        # the cache on: a cacheable request is not shed at its headers (a hit may answer it), so it gets here
+        settings = ServiceSettings(fair_queue_depth=1, cache_max_bytes=1 << 20)
+        async with serving(counter, static_view([endpoint]), settings=settings) as h:
             first = h.stub.Process()
             await exchange(first, request_headers())
             assert (await exchange(first, request_body({"input": "in flight"}))).WhichOneof("response") \
@@ -192,6 +194,72 @@ def test_a_sheddable_request_is_shed_before_waiting_in_the_fair_queue(counter: T
     busy = dataclasses.replace(A, telemetry={"inflight": 1000.0})  # seconds of queued work: over any SLO
     assert asyncio.run(scenario(busy)) == "immediate_response"
     assert asyncio.run(scenario(A)) is None  # predicted well within the SLO: it waits its turn
+
+
+# --- at the request headers -------------------------------------------------------------------------------
+
+
+def test_the_headers_screen_sheds_only_what_the_decision_would_shed_whatever_the_request_costs() -> None:
+    """Before the body, a request is taken to cost nothing: shed only when even that misses the SLO (a lower
+    bound of its decision's prediction), and the screen teaches costing nothing (no size, no decision)."""
+    clock = ManualClock()
+    router = Router(PluginRegistry(clock=clock), "least_completion_time", {"slo_ms": 500}, clock=clock)
+    headers_only = RequestView(0, True, None, 0, priority=Priority.SHEDDABLE)
+    queued = (dataclasses.replace(A, telemetry={"inflight": 1000.0}),)
+    assert isinstance(router.screen_unseen(headers_only, queued), Reply)
+    assert isinstance(router.decide(1, request(Priority.SHEDDABLE), queued), Reply)
+    idle = (A,)
+    assert router.screen_unseen(headers_only, idle) is None
+    # a huge request on the idle endpoint: the decision sheds it by its own cost; the headers could not know it
+    assert isinstance(router.decide(2, request(Priority.SHEDDABLE, tokens=200_000), idle), Reply)
+    before = [c.predicted_cost_s for c in router.costing.candidates(request(Priority.STANDARD), idle, observe=False)]
+    for _ in range(100):
+        router.screen_unseen(headers_only, idle)
+    after = [c.predicted_cost_s for c in router.costing.candidates(request(Priority.STANDARD), idle, observe=False)]
+    assert before == after
+    assert router.costing.candidates(headers_only, idle, observe=False)[0].outstanding_s == 0.0
+    off = Router(PluginRegistry(clock=clock), "least_completion_time", {"slo_ms": 0}, clock=clock)
+    assert off.screen_unseen(headers_only, queued) is None  # no shed plugin: nothing to screen
+
+
+SHEDDABLE = {"x-gateway-inference-objective": "sheddable"}
+BUSY = dataclasses.replace(A, telemetry={"inflight": 1000.0})  # seconds of queued work: over any SLO
+
+
+@pytest.mark.parametrize("cache,extra,at_headers", [
+    (False, {}, True),  # nothing needs the body first: 429 before Envoy buffers it
+    (True, {}, False),  # a cache hit would cost no worker: the lookup comes first, then the shed
+    (True, {"cache-control": "no-store"}, True),  # the cache will not answer it: shed at the headers
+    (True, {"cache-control": "no-cache"}, True),
+])
+def test_a_sheddable_request_is_shed_at_its_headers_unless_the_cache_could_answer_it(
+        counter: TokenCounter, cache: bool, extra: dict[str, str], at_headers: bool) -> None:
+    async def scenario() -> None:
+        settings = ServiceSettings(cache_max_bytes=(1 << 20) if cache else 0)
+        async with serving(counter, static_view([BUSY]), settings=settings) as h:
+            call = h.stub.Process()
+            answer = await exchange(call, request_headers({**SHEDDABLE, **extra}))
+            if not at_headers:
+                assert answer.WhichOneof("response") == "request_headers"
+                answer = await exchange(call, request_body({"input": "a batch job"}))
+            assert answer.WhichOneof("response") == "immediate_response"
+            immediate = answer.immediate_response
+            assert immediate.status.code == 429
+            error = json.loads(immediate.body)["error"]
+            assert error["code"] == "overloaded" and "sheddable" in error["message"]
+            registry = h.servicer.metrics.registry
+            assert registry.get_sample_value("inferlb_ext_proc_admit_replies_total", {"code": "overloaded"}) == 1
+            assert registry.get_sample_value("inferlb_ext_proc_cache_requests_total",
+                                             {"level": "memory", "result": "miss"}) in \
+                ((None, 0.0) if at_headers else (1.0,))
+            call.cancel()
+            for objective in ("critical", "standard"):  # never shed at the headers
+                call = h.stub.Process()
+                answer = await exchange(call, request_headers({"x-gateway-inference-objective": objective}))
+                assert answer.WhichOneof("response") == "request_headers", objective
+                call.cancel()
+
+    asyncio.run(scenario())
 
 
 # --- in the simulator -------------------------------------------------------------------------------------
