@@ -267,7 +267,7 @@ class ScenarioRunner:
         if slowdown is not None:
             worker, speed = slowdown.worker, s.fleet.workers[slowdown.worker].speed
             slow_task = asyncio.create_task(self._slow_down(client, worker, speed * slowdown.factor,
-                                                            s.warmup_s + slowdown.at_s))
+                                                            s.warmup_s + slowdown.at_s, speed, slowdown.duration_s))
         cpu.start()
         try:
             outcome = await run_load(plan.url, trace, bodies, slo_s=s.slo_s, timeout_s=s.request_timeout_s,
@@ -290,7 +290,7 @@ class ScenarioRunner:
             extra["pick_decisions"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
         if slowdown is not None:
             extra["slowdown"] = {"worker": self.layout.ids[slowdown.worker], "factor": slowdown.factor,
-                                 "at_s": slowdown.at_s}
+                                 "at_s": slowdown.at_s, "duration_s": slowdown.duration_s}
         result = outcome.to_result(plan.configuration, load=spec.load, run=spec.run, extra=extra)
         self.report(f"    p50 {result.p50_s * 1e3:.1f} ms  p99 {result.p99_s * 1e3:.1f} ms  goodput "
                     f"{result.goodput_rps:.1f}/s  completed {result.completed}  errors {result.errors}  "
@@ -298,9 +298,14 @@ class ScenarioRunner:
                     f"(bench {usage['bench_cpu']:.0%})")
         return result
 
-    async def _slow_down(self, client: httpx.AsyncClient, worker: int, speed: float, after_s: float) -> None:
+    async def _slow_down(self, client: httpx.AsyncClient, worker: int, speed: float, after_s: float,
+                         normal: float, for_s: float) -> None:
+        """The slowdown's schedule: ``speed`` at ``after_s``, back to ``normal`` ``for_s`` later (0: never)."""
         await asyncio.sleep(after_s)
         await set_speed(client, self.layout, worker, speed)
+        if for_s > 0:
+            await asyncio.sleep(for_s)
+            await set_speed(client, self.layout, worker, normal)
 
     async def _decisions(self, client: httpx.AsyncClient, plan: DataPlanePlan) -> dict[str, int]:
         if plan.ext_proc_metrics_url is None:
