@@ -63,3 +63,42 @@ def test_a_worker_answering_500_fast_is_ejected_and_clients_see_no_error(tmp_pat
     assert row["reacted_s"] is not None  # outlier detection ejected it
     assert row["failed"] == 0, row  # its 500s were retried on other workers
     assert row["retried"] > 0
+
+
+def test_a_delayed_worker_gets_less_traffic(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "worker_delay")  # a delaying TCP proxy in front of it (500 ms on what it is sent)
+    assert row["failed"] == 0, row
+    # While delayed (150 requests answered) its share is under a fair one: its requests stay in flight longer,
+    # so ext_proc's outstanding work there is higher.
+    assert row["target_share_while_held"] < 1 / PLAN.workers, row
+    assert row["spread"].get(row["target"], 0) > 0  # delay removed, it serves again (back_s)
+
+
+def test_redis_down_fails_quotas_open_and_breaks_nothing_else(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "redis_down")
+    assert row["reacted_s"] is not None, row  # quota checks failed open
+    assert row["failed"] == 0, row  # admitted without their quota; cache lookups in Redis missed
+    # ext_proc picked a worker for every answer its memory cache did not give: routing is untouched
+    assert row["picked_while_held"] + row["cache_hits_while_held"] == row["statuses_while_held"]["200"], row
+    assert row["ext_proc_while_held"].get("cache:redis:miss", 0) > 0, row  # the shared cache level missed
+
+
+def test_redis_down_fails_quotas_closed_when_so_configured(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "redis_down_closed")
+    assert row["reacted_s"] is not None, row
+    assert set(row["statuses"]) <= {"200", "503"} and row["statuses"].get("503", 0) > 0, row  # refused, clearly
+    assert row["ext_proc_while_held"].get("quota:failed_closed", 0) > 0, row
+
+
+def test_slow_redis_fails_quotas_open_and_breaks_nothing_else(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "redis_slow")  # a delaying proxy in front of Redis, past ext_proc's 50 ms timeout
+    assert row["reacted_s"] is not None, row
+    assert row["failed"] == 0, row
+
+
+def test_a_nacked_config_leaves_serving_on_the_last_good_one_and_shows_in_the_admin_api(tmp_path: Path) -> None:
+    row = run_fault(tmp_path, "config_nack")  # the control plane made to send Envoy an endpoint it cannot parse
+    assert row["reacted_s"] is not None, row  # GET /v1/xds/clients: Envoy's EDS nack_count
+    assert "malformed IP address" in (row["last_nack"] or ""), row  # Envoy's own words
+    assert row["in_sync_while_held"] is False and row["envoy_update_rejected"] >= 1, row
+    assert row["failed"] == 0, row  # served on the last good config; back_s: the good one ACKed

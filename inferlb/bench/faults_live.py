@@ -15,6 +15,8 @@ fault was left in place (until the stack reacted), which is reported on its own 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import signal
 import time
 from collections import Counter
@@ -23,11 +25,17 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
-from .dataplanes.launch import healthy_hosts
-from .loadgen import Answer, run_load
+from .dataplanes.launch import healthy_hosts, start_data_plane
+from .faults_nacking_control_plane import FLAG_ENV
+from .faults_proxy import DelayProxy
+from .faults_redis import RedisProcess, ThrowawayRedis
+from .fleet import fleet_components
+from .loadgen import WORKER_HEADERS, Answer, run_load
 from .processes import ProcessGroup, free_port
+from ..supervisor import Component
 from .runner import CAPACITY_CONFIGURATION, Report, ScenarioRunner, _slug
 from .scenario import Fleet, Scenario, WorkerSpec
 
@@ -35,7 +43,15 @@ PRODUCT_RETRIES = 2  # the control plane's default (DataPlaneConfig.retries): fa
 POLL_S = 0.1
 ENDPOINT_HEADER = "x-inferlb-endpoint"  # set by ext_proc's pick: absent when Envoy failed open
 WORKER_HEADER = "x-inferlb-worker"  # set by the worker that served
-FAULTS = ("worker_kill", "worker_stop", "ext_proc_kill", "control_plane_kill", "envoy_restart", "worker_500")
+CACHE_HEADER = "x-inferlb-cache"  # "hit": answered by ext_proc's gateway cache, no worker
+FAULTS = ("worker_kill", "worker_stop", "ext_proc_kill", "control_plane_kill", "envoy_restart", "worker_500",
+          "worker_delay", "redis_down", "redis_down_closed", "redis_slow", "config_nack")
+REDIS_FAULTS = ("redis_down", "redis_down_closed", "redis_slow")
+QUOTA_METRIC = "inferlb_ext_proc_quota_decisions_total"
+CACHE_METRIC = "inferlb_ext_proc_cache_requests_total"
+FAULT_TENANT = "faults"
+NACKING_CONTROL_PLANE = "inferlb.bench.faults_nacking_control_plane"
+RATE_LIMIT_HEADER = "x-ratelimit-limit-requests"  # on every answer to a key with a quota, once checked
 
 
 @dataclass(frozen=True)
@@ -53,6 +69,9 @@ class FaultPlan:
     react_timeout_s: float = 30.0  # for the stack to react to the fault before it is restored anyway
     request_timeout_s: float = 15.0
     seed: int = 1
+    delay_hold: int = 150  # worker_delay: requests answered while delayed (the share it gets is the measure)
+    worker_delay_s: float = 0.5  # worker_delay: added to what reaches the worker (under the 1 s health-check timeout)
+    redis_delay_s: float = 0.2  # redis_slow: added to what reaches Redis (ext_proc's store timeouts are 50 ms)
 
     def problems(self) -> list[str]:
         out = [f"unknown fault {f!r}; known: {', '.join(FAULTS)}" for f in self.faults if f not in FAULTS]
@@ -82,6 +101,9 @@ class Timeline:
     def add(self, answer: Answer) -> None:
         self.answers.append(answer)
         self.changed.set()
+
+    def since(self, t: float) -> list[Answer]:
+        return [a for a in self.answers if a.send_at_s >= t]
 
     def ok(self, answer: Answer) -> bool:
         return answer.status is not None and 200 <= answer.status < 300
@@ -121,6 +143,18 @@ def host_requests(clusters_text: str, cluster: str = "workers") -> dict[str, int
     return out
 
 
+@dataclass
+class FaultSetup:
+    """What a fault adds to the stack: a delaying proxy in front of the target worker (its endpoint is then
+    the proxy's address), a Redis for ext_proc's quotas and cache (behind a proxy for ``redis_slow``)."""
+
+    proxy: DelayProxy | None = None
+    redis: RedisProcess | None = None
+    redis_proxy: DelayProxy | None = None
+    ext_proc_env: dict[str, str] = field(default_factory=dict)
+    nack_flag: Path | None = None  # config_nack: the control plane sends Envoy a bad endpoint while it exists
+
+
 class FaultRunner(ScenarioRunner):
     """Runs each fault of the plan on its own fresh stack; ``run_fault`` returns one row of the table."""
 
@@ -128,6 +162,15 @@ class FaultRunner(ScenarioRunner):
         super().__init__(fault_scenario(plan), out_dir, plans=(), progress=False, report=report)
         self.fault_plan = plan
         self.base_dir = out_dir
+        self.setup = FaultSetup()
+
+    @property
+    def routed(self) -> tuple[tuple[str, int], ...]:
+        """The endpoints the control plane is given: the workers, the target behind its proxy if any."""
+        endpoints = list(self.layout.endpoints)
+        if self.setup.proxy is not None:
+            endpoints[0] = ("127.0.0.1", self.setup.proxy.port)
+        return tuple(endpoints)
 
     @property
     def capacity_rps(self) -> float:
@@ -136,11 +179,49 @@ class FaultRunner(ScenarioRunner):
         return theoretical_capacity_rps(self.scenario)
 
     def _plan(self, configuration: str) -> DataPlanePlan:
-        return plan_data_plane(configuration, endpoints=self.layout.endpoints,
+        plan = plan_data_plane(configuration, endpoints=self.routed,
                                workdir=self.out_dir / "runs" / _slug(configuration),
                                ports=DataPlanePorts.allocate(free_port),
                                request_timeout_s=self.scenario.request_timeout_s, envoy=self.envoy,
                                retries=PRODUCT_RETRIES)
+        flag = self.setup.nack_flag
+
+        def changed(c: Component) -> Component:
+            if c.name == "ext_proc" and self.setup.ext_proc_env:
+                return dataclasses.replace(c, env={**c.env, **self.setup.ext_proc_env})
+            if c.name == "control-plane" and flag is not None:  # the same process, its build wrapped
+                argv = [c.argv[0], "-m", NACKING_CONTROL_PLANE, *c.argv[3:]]
+                return dataclasses.replace(c, argv=argv, env={**c.env, FLAG_ENV: str(flag)})
+            return c
+
+        return dataclasses.replace(plan, stages=tuple(tuple(changed(c) for c in stage) for stage in plan.stages))
+
+    async def _start(self, group: ProcessGroup, plan: DataPlanePlan, client: httpx.AsyncClient) -> None:
+        """The fleet and the data plane, ready when Envoy routes to every endpoint (proxies included)."""
+        workdir = self.out_dir / "runs" / _slug(plan.configuration)
+        await group.start(fleet_components(self.scenario.fleet, self.layout, workdir / "logs",
+                                           workdir / "worker-data", env=self.worker_env))
+        await start_data_plane(plan, group, client, [f"{h}:{p}" for h, p in self.routed])
+
+    async def _set_up(self, name: str, stack: contextlib.AsyncExitStack) -> FaultSetup:
+        setup = FaultSetup()
+        if name == "config_nack":
+            setup.nack_flag = self.out_dir / "nack.flag"
+            setup.nack_flag.unlink(missing_ok=True)
+        if name == "worker_delay":
+            host, port = self.layout.endpoints[0]
+            setup.proxy = await stack.enter_async_context(DelayProxy(host, port))
+        if name in REDIS_FAULTS:
+            setup.redis = await stack.enter_async_context(ThrowawayRedis())
+            url = setup.redis.url
+            if name == "redis_slow":
+                setup.redis_proxy = await stack.enter_async_context(DelayProxy("127.0.0.1", setup.redis.port))
+                url = f"redis://{setup.redis_proxy.address}/0"
+            setup.ext_proc_env = {
+                "INFERLB_EXT_PROC_QUOTA_STORE": url, "INFERLB_EXT_PROC_CACHE_STORE": url,
+                "INFERLB_EXT_PROC_CACHE_MAX_BYTES": str(64 << 20),  # the product's default: the cache on
+                "INFERLB_EXT_PROC_QUOTA_FAILURE_MODE": "closed" if name == "redis_down_closed" else "open"}
+        return setup
 
     async def run_all(self) -> list[dict[str, Any]]:
         return [await self.run_fault(name) for name in self.fault_plan.faults]
@@ -151,9 +232,11 @@ class FaultRunner(ScenarioRunner):
         self._log = self.out_dir / "logs" / "bench.log"
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.layout = type(self.layout)(tuple(self._distinct_ports(len(self.scenario.fleet.workers))))
-        dp = self._plan(CAPACITY_CONFIGURATION)
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client, \
-                ProcessGroup(report=self._log_line) as group:
+        async with contextlib.AsyncExitStack() as stack:
+            self.setup = await self._set_up(name, stack)
+            dp = self._plan(CAPACITY_CONFIGURATION)
+            client = await stack.enter_async_context(httpx.AsyncClient(timeout=5.0, trust_env=False))
+            group = await stack.enter_async_context(ProcessGroup(report=self._log_line))
             await self._start(group, dp, client)
             fault = Fault(name, self, group, client, dp)
             return await fault.run()
@@ -167,7 +250,10 @@ class Fault:
         self.name, self.runner, self.group, self.client, self.dp = name, runner, group, client, dp
         self.plan = runner.fault_plan
         self.timeline = Timeline()
-        self.target = runner.layout.ids[0]  # the faulty worker, for the worker faults
+        self.setup = runner.setup
+        self.target_worker = runner.layout.ids[0]  # the faulty worker, for the worker faults (x-inferlb-worker)
+        self.target = "%s:%d" % runner.routed[0]  # the same as Envoy's host (its proxy for worker_delay)
+        self.headers: dict[str, str] = {}  # on every request of the load (the API key of the Redis faults)
         self.killed_envoy: dict[str, int] | None = None  # Envoy's counters when it was killed (they restart at 0)
         self.loop = asyncio.get_running_loop()
         self.t0 = 0.0
@@ -201,17 +287,21 @@ class Fault:
         rps = plan.load * runner.capacity_rps
         trace, bodies = await asyncio.to_thread(runner._trace, runner.scenario, rps)
         stop = asyncio.Event()
+        if self.name in REDIS_FAULTS:
+            await self.quota_key(bodies[0])
         before = await self.envoy_counters()
+        self.hosts_start = await self.hosts()
         self.t0 = self.loop.time()
         load = asyncio.create_task(run_load(self.dp.url, trace, bodies, slo_s=plan.request_timeout_s,
-                                            timeout_s=plan.request_timeout_s, progress=False,
+                                            timeout_s=plan.request_timeout_s, progress=False, headers=self.headers,
+                                            worker_headers=(*WORKER_HEADERS, CACHE_HEADER),
                                             on_answer=self.timeline.add, stop=stop))
         runner.report(f"  {self.name}: {rps:.1f} req/s ({plan.load:.0%} of {runner.capacity_rps:.1f})")
         figures: dict[str, Any] = {}
         try:
             if await self.wait(lambda: self.answered(plan.baseline, 0.0), plan.max_run_s, "baseline") is None:
                 raise RuntimeError(f"{self.name}: the stack did not serve {plan.baseline} requests before the fault")
-            hosts0 = await self.hosts()
+            hosts0 = self.hosts_injected = await self.hosts()
             injected = self.now()
             await getattr(self, f"inject_{self.name}")()
             reacted = await self.wait(getattr(self, f"reacted_{self.name}"), plan.react_timeout_s, "reaction",
@@ -251,7 +341,7 @@ class Fault:
             "statuses": {str(k): v for k, v in sorted(outcome.statuses.items())},
             "error_kinds": dict(outcome.error_kinds), "timeouts": outcome.timeouts,
             "failures_by_second": dict(sorted(Counter(int(a.send_at_s - injected) for a in failed_after).items())),
-            "spread": dict(sorted(outcome.spread.items())), "target": self.target,
+            "spread": dict(sorted(outcome.spread.items())), "target": self.target_worker,
         }
         runner.report(f"    sent {row['sent']}, succeeded {row['succeeded']}, failed {row['failed']}, "
                       f"retried {row['retried']}, reacted in {row['reacted_s']} s, recovered in {recovery} s")
@@ -284,7 +374,7 @@ class Fault:
         """Envoy shows the target healthy and it served a client request sent after ``since``."""
         if await self.target_flags() != "healthy":
             return False
-        return any(a.headers.get(WORKER_HEADER) == self.target for a in self.timeline.succeeded_since(since))
+        return any(a.headers.get(WORKER_HEADER) == self.target_worker for a in self.timeline.succeeded_since(since))
 
     async def every_worker_healthy(self) -> bool:
         return set(self.runner.layout.ids) <= healthy_hosts(await self.clusters())
@@ -292,7 +382,7 @@ class Fault:
     # --- kill -9 a worker: retried elsewhere; it leaves, and returns with slow start when restarted -----
 
     async def inject_worker_kill(self) -> None:
-        self.worker_spec = await self.group.kill(f"worker:{self.target.rsplit(':', 1)[1]}")
+        self.worker_spec = await self.group.kill(self._worker_name())
 
     async def reacted_worker_kill(self) -> bool:
         return await self.target_flags() != "healthy"
@@ -307,7 +397,7 @@ class Fault:
     # --- SIGSTOP a worker, then SIGCONT: timeouts and health checks route around it -----------------
 
     def _worker_name(self) -> str:
-        return f"worker:{self.target.rsplit(':', 1)[1]}"
+        return f"worker:{self.target_worker.rsplit(':', 1)[1]}"
 
     async def inject_worker_stop(self) -> None:
         self.group.send_signal(self._worker_name(), signal.SIGSTOP)
@@ -376,7 +466,7 @@ class Fault:
     # --- a worker that answers 500 fast: no traffic for looking fast; weight drops, outlier detection ejects -
 
     async def _fail_rate(self, rate: float) -> None:
-        response = await self.client.put(f"http://{self.target}/v1/simulation", json={"fail_rate": rate})
+        response = await self.client.put(f"http://{self.target_worker}/v1/simulation", json={"fail_rate": rate})
         response.raise_for_status()
 
     async def inject_worker_500(self) -> None:
@@ -389,7 +479,7 @@ class Fault:
         """Keep it failing while the baseline's count of requests is served: what share does it still get?"""
         hosts0 = await self.hosts()
         await self.wait(lambda: self.answered(self.plan.baseline, reacted), self.plan.react_timeout_s, "hold")
-        endpoint = (await self.client.get(f"{self.dp.control_plane_url}/v1/endpoints/{self.target}")).json()
+        endpoint = (await self.client.get(f"{self.dp.control_plane_url}/v1/endpoints/{self.target_worker}")).json()
         return {"target_share_while_held": _share(hosts0, await self.hosts(), self.target),
                 "target_weight_after_hold": endpoint.get("weight"),
                 "held_s": round(self.now() - reacted, 3), "target_flags_after_hold": await self.target_flags()}
@@ -399,6 +489,174 @@ class Fault:
         await self._fail_rate(0.0)
 
     back_worker_500 = back_worker_kill
+
+    # --- delay in front of one worker (a delaying TCP proxy): it gets less traffic ---------------------
+
+    async def inject_worker_delay(self) -> None:
+        assert self.setup.proxy is not None
+        self.setup.proxy.delay_s = self.plan.worker_delay_s
+
+    async def reacted_worker_delay(self) -> bool:
+        return True  # nothing is ejected: the measure is the share it gets while delayed (hold)
+
+    async def hold_worker_delay(self, reacted: float) -> dict[str, Any]:
+        """Keep it delayed while the baseline's count of requests is served: its share then, and before."""
+        hosts0 = await self.hosts()
+        await self.wait(lambda: self.answered(self.plan.delay_hold, reacted), self.plan.react_timeout_s, "hold")
+        return {"delay_s": self.plan.worker_delay_s,
+                "target_share_before": _share(self.hosts_start, self.hosts_injected, self.target),
+                "target_share_while_held": _share(hosts0, await self.hosts(), self.target),
+                "held_s": round(self.now() - reacted, 3)}
+
+    async def restore_worker_delay(self) -> None:
+        assert self.setup.proxy is not None
+        self.restored_at = self.now()
+        self.setup.proxy.delay_s = 0.0
+
+    back_worker_delay = back_worker_kill
+
+    # --- Redis down or slow: quotas fail open or closed as configured, the shared cache misses, nothing else -
+
+    async def quota_key(self, body: bytes) -> None:
+        """An API key with a quota too large to bind, so every request's quota is checked in Redis; ready when
+        a request with it is answered with its rate-limit headers (ext_proc has the key from xDS)."""
+        response = await self.client.post(
+            f"{self.dp.control_plane_url}/v1/api-keys", json={"tenant": FAULT_TENANT, "requests_per_minute": 10**9},
+            headers={"Authorization": f"Bearer {self.dp.admin_token}"})
+        response.raise_for_status()
+        self.headers = {"Authorization": f"Bearer {response.json()['key']}"}
+
+        async def checked() -> bool:
+            answer = await self.client.post(self.dp.url, content=body,
+                                            headers={**self.headers, "Content-Type": "application/json"})
+            return answer.status_code == 200 and RATE_LIMIT_HEADER in answer.headers
+
+        if await self.wait(checked, 30.0, "quota-checked answer") is None:
+            raise RuntimeError(f"{self.name}: ext_proc never checked the API key's quota")
+
+    async def ext_proc_counts(self) -> dict[str, int]:
+        """ext_proc's quota decisions by result and its cache lookups by ``level:result``."""
+        text = (await self.client.get(f"{self.dp.ext_proc_metrics_url}/metrics")).text
+        out: Counter[str] = Counter()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == QUOTA_METRIC:
+                    out[f"quota:{sample.labels['result']}"] += int(sample.value)
+                elif sample.name == CACHE_METRIC:
+                    out[f"cache:{sample.labels['level']}:{sample.labels['result']}"] += int(sample.value)
+        return dict(out)
+
+    def _store_failure(self) -> str:
+        return "quota:failed_closed" if self.name == "redis_down_closed" else "quota:failed_open"
+
+    async def inject_redis_down(self) -> None:
+        assert self.setup.redis is not None
+        self.counts_injected = await self.ext_proc_counts()
+        await self.setup.redis.kill()
+
+    async def reacted_redis_down(self) -> bool:
+        failure = self._store_failure()
+        return (await self.ext_proc_counts()).get(failure, 0) > self.counts_injected.get(failure, 0)
+
+    async def hold_redis_down(self, reacted: float) -> dict[str, Any]:
+        """Keep it down while the baseline's count of requests is answered: how were they answered?"""
+        counts0 = await self.ext_proc_counts()
+        await self.wait(lambda: self._any_answered(self.plan.baseline, reacted), self.plan.react_timeout_s, "hold")
+        counts1 = await self.ext_proc_counts()
+        held = self.timeline.since(reacted)
+        return {"held_s": round(self.now() - reacted, 3),
+                "statuses_while_held": dict(Counter(str(a.status) for a in held)),
+                "picked_while_held": sum(ENDPOINT_HEADER in a.headers for a in held),
+                "cache_hits_while_held": sum(a.headers.get(CACHE_HEADER) == "hit" for a in held),
+                "ext_proc_while_held": {k: v - counts0.get(k, 0) for k, v in sorted(counts1.items())
+                                        if v != counts0.get(k, 0)}}
+
+    async def _any_answered(self, n: int, since: float) -> bool:
+        return len(self.timeline.since(since)) >= n
+
+    async def restore_redis_down(self) -> None:
+        assert self.setup.redis is not None
+        self.counts_restored = await self.ext_proc_counts()
+        self.restored_at = self.now()
+        await self.setup.redis.start()  # on its port, empty
+
+    async def back_redis_down(self) -> bool:
+        """A quota checked in Redis again (admitted), and a client served since the restore."""
+        admitted = (await self.ext_proc_counts()).get("quota:admitted", 0)
+        return admitted > self.counts_restored.get("quota:admitted", 0) and await self.answered(1, self.restored_at)
+
+    inject_redis_down_closed = inject_redis_down
+    reacted_redis_down_closed = reacted_redis_down
+    hold_redis_down_closed = hold_redis_down
+    restore_redis_down_closed = restore_redis_down
+    back_redis_down_closed = back_redis_down
+
+    async def inject_redis_slow(self) -> None:
+        assert self.setup.redis_proxy is not None
+        self.counts_injected = await self.ext_proc_counts()
+        self.setup.redis_proxy.delay_s = self.plan.redis_delay_s
+
+    reacted_redis_slow = reacted_redis_down
+    hold_redis_slow = hold_redis_down
+
+    async def restore_redis_slow(self) -> None:
+        assert self.setup.redis_proxy is not None
+        self.counts_restored = await self.ext_proc_counts()
+        self.restored_at = self.now()
+        self.setup.redis_proxy.delay_s = 0.0
+
+    back_redis_slow = back_redis_down
+
+    # --- a NACKed config: traffic goes on with the last good one; the NACK shows in the admin API -----------
+
+    def _admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.dp.admin_token}"}
+
+    async def envoy_eds(self) -> dict[str, Any] | None:
+        """Envoy's EDS status in ``GET /v1/xds/clients`` (Envoy: the client without ext_proc's key table)."""
+        response = await self.client.get(f"{self.dp.control_plane_url}/v1/xds/clients", headers=self._admin())
+        response.raise_for_status()
+        envoys = [c for c in response.json()["clients"] if "keys" not in c["types"]]
+        return envoys[0]["types"].get("eds") if len(envoys) == 1 else None
+
+    async def _pin(self, weight: int | None) -> None:
+        """A change of EDS for the control plane to publish (pin the target's weight; None: unpin)."""
+        url = f"{self.dp.control_plane_url}/v1/endpoints/{self.target_worker}/weight"
+        response = await (self.client.put(url, json={"weight": weight}, headers=self._admin()) if weight
+                          else self.client.delete(url, headers=self._admin()))
+        response.raise_for_status()
+
+    async def inject_config_nack(self) -> None:
+        assert self.setup.nack_flag is not None
+        self.setup.nack_flag.touch()
+        await self._pin(50)
+
+    async def reacted_config_nack(self) -> bool:
+        eds = await self.envoy_eds()
+        return eds is not None and eds["nack_count"] > 0
+
+    async def hold_config_nack(self, reacted: float) -> dict[str, Any]:
+        """Keep the bad config current while the baseline's count of requests is answered."""
+        await self.wait(lambda: self._any_answered(self.plan.baseline, reacted), self.plan.react_timeout_s, "hold")
+        eds = await self.envoy_eds() or {}
+        stats = (await self.client.get(f"{self.dp.envoy_admin_url}/stats")).text
+        held = self.timeline.since(reacted)
+        return {"held_s": round(self.now() - reacted, 3),
+                "statuses_while_held": dict(Counter(str(a.status) for a in held)),
+                "nack_count": eds.get("nack_count"), "last_nack": (eds.get("last_nack") or {}).get("message"),
+                "in_sync_while_held": eds.get("in_sync"),
+                "envoy_update_rejected": envoy_stat(stats, "cluster.workers.update_rejected")}
+
+    async def restore_config_nack(self) -> None:
+        assert self.setup.nack_flag is not None
+        self.setup.nack_flag.unlink()
+        self.restored_at = self.now()
+        await self._pin(None)
+
+    async def back_config_nack(self) -> bool:
+        """Envoy ACKed the good config published after the restore, and served."""
+        eds = await self.envoy_eds()
+        return eds is not None and eds["in_sync"] and await self.answered(1, self.restored_at)
 
 
 def _since(t: float | None, origin: float) -> float | None:

@@ -160,12 +160,11 @@ async def throwaway_redis(url: str | None) -> AsyncIterator[str]:
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="inferlb-bench-redis-") as directory:
-        process = await asyncio.create_subprocess_exec(
-            "redis-server", "--bind", "127.0.0.1", "--port", str(port), "--dir", directory, "--save", "",
-            "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        process = await asyncio.create_subprocess_exec(*redis_argv(port, directory),
+                                                       stdout=asyncio.subprocess.DEVNULL,
+                                                       stderr=asyncio.subprocess.DEVNULL)
         try:
-            await _wait_for_ping(port, process)
+            await wait_for_ping(port, process)
             yield f"redis://127.0.0.1:{port}/0"
         finally:
             if process.returncode is None:
@@ -177,7 +176,13 @@ async def throwaway_redis(url: str | None) -> AsyncIterator[str]:
                     await process.wait()
 
 
-async def _wait_for_ping(port: int, process: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
+def redis_argv(port: int, directory: str) -> list[str]:
+    """A throwaway redis-server on loopback: no persistence, no password (``inferlb bench faults`` too)."""
+    return ["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--dir", directory, "--save", "",
+            "--appendonly", "no", "--protected-mode", "no", "--loglevel", "warning"]
+
+
+async def wait_for_ping(port: int, process: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
     import redis.asyncio as aioredis
 
     deadline = time.monotonic() + timeout_s
