@@ -109,14 +109,14 @@ class PickChain:
         return self._admitted(request, self._candidates(request, pool, costing, observe=False))
 
     def screen_unseen(self, request: RequestView, pool: Sequence[EndpointView], costing: Costing) -> Reply | None:
-        """The built-in ``shed`` plugins' answer to a request whose body has not come, taken to cost nothing
-        and with no filter, sample or budget step (each only narrows the candidates): the best prediction here
-        bounds from below every one its decision could see, so a request shed here would be shed then too
-        (unless the fleet changes meanwhile). Other admit plugins are not asked: they judge requests, not
-        a bound."""
+        """The built-in ``shed`` plugins' answer to a request whose body has not come (``request.tokens``: the
+        fewest its size suggests, 0 when unknown), with no filter, sample or budget step (each only narrows the
+        candidates): the best prediction here bounds from below every one its decision could see, so a request
+        shed here would be shed then too (unless the fleet changes meanwhile). Other admit plugins are not
+        asked: they judge requests, not a bound."""
         if not self._shedding or not pool:
             return None
-        candidates = [c._replace(predicted_cost_s=0.0) for c in costing.candidates(request, pool, observe=False)]
+        candidates = costing.candidates(request, pool, observe=False)
         for step in self._shedding:
             reply = step.admit(request, candidates)
             if reply is not None:

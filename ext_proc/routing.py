@@ -99,7 +99,7 @@ class Router:
         return self.chain.screen(request, self._candidates, self.costing)
 
     def screen_unseen(self, request: RequestView, fleet: Sequence[EndpointView]) -> Reply | None:
-        """The shed's verdict on a request whose body has not come, as if it cost nothing
+        """The shed's verdict on a request whose body has not come, costed at the fewest tokens it may hold
         (``PickChain.screen_unseen``): a 429 here is one the decision would give it too."""
         if fleet is not self._fleet:
             self._new_view(fleet)

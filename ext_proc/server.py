@@ -7,7 +7,8 @@ message) and the response headers. Per stream:
 1. **Request headers** -> CONTINUE, removing any pick header the client sent
    (override_host honours whatever it finds, so only ext_proc may set it).
    A request without a body (GET) is decided here. A ``sheddable`` one the shed plugin would shed even
-   at no cost of its own is answered 429 here, before Envoy buffers its body (``_shed_unseen``).
+   at the least cost its content-length allows is answered 429 here, before Envoy buffers its body
+   (``_shed_unseen``).
 2. **Request body** -> count its tokens and ask the router (``routing.py``:
    the pick chain) where it goes. A pick: the ``x-gateway-destination-endpoint``
    header and the same value as dynamic metadata ``envoy.lb`` (primary first,
@@ -121,6 +122,12 @@ log = logging.getLogger("inferlb.ext_proc")
 # A large body still being counted (and its quota checked) after this long gets Envoy's message timeout extended:
 # half the control plane's default message_timeout (200 ms), so the extension is sent well before Envoy gives up.
 COUNT_BEFORE_EXTENDING_S = 0.1
+
+# A sheddable request is judged at its headers as holding content-length / this many tokens: more bytes per
+# token than JSON bodies of English take (4-6 for prose through MiniLM's WordPiece, 5.2-9.4 measured on the
+# benchmarks' bodies, the short ones' JSON overhead the most), so its cost is rarely overstated and a request
+# shed at its headers is one its body would have been shed for too.
+HEADERS_BYTES_PER_TOKEN = 10.0
 
 # The Endpoint Picker Protocol's answer when the data plane's subset hint leaves nothing eligible.
 NO_ENDPOINT_IN_SUBSET = Reply(503, "no_endpoint_in_subset", "None of the endpoints this gateway allows for the "
@@ -592,8 +599,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                                            type="invalid_request_error", param="model"))
 
     def _shed_unseen(self, stream: _Stream) -> bytes | None:
-        """A sheddable request shed before its body comes, when the shed plugin would shed it even if it cost
-        nothing: Envoy never buffers the body, nothing is counted, the 429 goes at once. Only when nothing
+        """A sheddable request shed before its body comes, when the shed plugin would shed even the cheapest
+        request of its size (``HEADERS_BYTES_PER_TOKEN``; of no size without a content-length): Envoy never
+        buffers the body, nothing is counted, the 429 goes at once. Only when nothing
         else must see the body first: its key has no quota (checked on the exact token count, before any
         shed), the gateway cache cannot answer it (off, not a cacheable request, or ``no-store``/``no-cache``:
         a hit costs no worker, so it is served, not shed) and the data plane sent no subset hint (its pool is
@@ -604,7 +612,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             asked = directives(stream.headers)
             if not (asked.no_store or asked.no_cache):
                 return None
-        return self._screened(stream, RequestView(0, True, None, 0, stream.headers), unseen=True)
+        length = stream.headers.get("content-length", "")
+        tokens = int(int(length) / HEADERS_BYTES_PER_TOKEN) if length.isdigit() and len(length) < 19 else 0
+        return self._screened(stream, RequestView(tokens, True, None, 0, stream.headers), unseen=True)
 
     def _shed_before_waiting(self, stream: _Stream, request: RequestView) -> bytes | None:
         """A sheddable request the chain would shed is told so before it waits in the fair queue, where its

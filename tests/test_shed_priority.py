@@ -200,8 +200,9 @@ def test_a_sheddable_request_is_shed_before_waiting_in_the_fair_queue(counter: T
 
 
 def test_the_headers_screen_sheds_only_what_the_decision_would_shed_whatever_the_request_costs() -> None:
-    """Before the body, a request is taken to cost nothing: shed only when even that misses the SLO (a lower
-    bound of its decision's prediction), and the screen teaches costing nothing (no size, no decision)."""
+    """Before the body, a request is costed at the fewest tokens its size allows (none here): shed only when
+    even that misses the SLO (a lower bound of its decision's prediction), and the screen teaches costing
+    nothing (no size, no decision)."""
     clock = ManualClock()
     router = Router(PluginRegistry(clock=clock), "least_completion_time", {"slo_ms": 500}, clock=clock)
     headers_only = RequestView(0, True, None, 0, priority=Priority.SHEDDABLE)
@@ -218,6 +219,9 @@ def test_the_headers_screen_sheds_only_what_the_decision_would_shed_whatever_the
     after = [c.predicted_cost_s for c in router.costing.candidates(request(Priority.STANDARD), idle, observe=False)]
     assert before == after
     assert router.costing.candidates(headers_only, idle, observe=False)[0].outstanding_s == 0.0
+    # its content-length says it holds at least 200,000 tokens: shed at the headers even on an idle fleet
+    large = dataclasses.replace(headers_only, tokens=200_000)
+    assert isinstance(router.screen_unseen(large, idle), Reply)
     off = Router(PluginRegistry(clock=clock), "least_completion_time", {"slo_ms": 0}, clock=clock)
     assert off.screen_unseen(headers_only, queued) is None  # no shed plugin: nothing to screen
 
@@ -257,6 +261,24 @@ def test_a_sheddable_request_is_shed_at_its_headers_unless_the_cache_could_answe
                 call = h.stub.Process()
                 answer = await exchange(call, request_headers({"x-gateway-inference-objective": objective}))
                 assert answer.WhichOneof("response") == "request_headers", objective
+                call.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_on_an_idle_fleet_only_a_body_too_large_for_the_slo_is_shed_at_its_headers(counter: TokenCounter) -> None:
+    """The content-length bounds the request's cost from below (HEADERS_BYTES_PER_TOKEN): 2 MB of body is at
+    least 200,000 tokens, far over the SLO even on an idle worker; a small body, or none announced, goes on."""
+    async def scenario() -> None:
+        async with serving(counter, static_view([A])) as h:
+            for length, shed in (("2000000", True), ("40", False), (None, False), ("9" * 40, False)):
+                call = h.stub.Process()
+                extra = {**SHEDDABLE, **({"content-length": length} if length is not None else {})}
+                answer = await exchange(call, request_headers(extra))
+                which = answer.WhichOneof("response")
+                assert which == ("immediate_response" if shed else "request_headers"), length
+                if shed:
+                    assert answer.immediate_response.status.code == 429
                 call.cancel()
 
     asyncio.run(scenario())
