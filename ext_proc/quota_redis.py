@@ -32,6 +32,7 @@ cost every request a connect attempt); redis-py reconnects at the next try.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -246,6 +247,10 @@ class RedisQuotaStore:
         except (RedisError, OSError, TimeoutError) as exc:
             self._observer.quota_store_error(operation)
             self._down_until = time.monotonic() + self._backoff_s
+            # The idle pooled connections are to the Redis that failed: after a restart each would fail
+            # once more (and set another back-off, refusing everything when failing closed). Fresh ones then.
+            with contextlib.suppress(RedisError, OSError):
+                await self._client.connection_pool.disconnect(inuse_connections=False)
             if not self._failing:
                 self._failing = True
                 log.warning("quota store: Redis %s failed (%s: %s); failing %s until it answers",

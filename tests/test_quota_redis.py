@@ -348,3 +348,28 @@ def test_the_redis_client_does_not_retry_by_itself() -> None:
             await store.aclose()
 
     asyncio.run(scenario())
+
+
+def test_after_a_restart_no_stale_pooled_connection_fails_a_check(own_redis: RedisServer) -> None:
+    """Found by the redis_down_closed fault: the pool's idle connections to the killed Redis each failed once
+    after it was back, every failure a back-off in which a closed store refused all (503s seconds later)."""
+    async def scenario() -> list[QuotaOutcome]:
+        store = redis_store(own_redis.url, failure_mode="closed", backoff_s=0.05)
+        try:
+            warm = await asyncio.gather(*(store.acquire("acme", QUOTA, 1) for _ in range(8)))  # 8 pooled
+            assert all(o.admitted and not o.store_failed for o in warm)
+            own_redis.stop()
+            assert (await store.acquire("acme", QUOTA, 1)).store_failed
+            own_redis.start()
+
+            async def recovered() -> QuotaOutcome | None:
+                outcome = await store.acquire("acme", QUOTA, 1)
+                return outcome if not outcome.store_failed else None
+
+            await eventually(recovered, 30, "the store to reach the restarted Redis")
+            return list(await asyncio.gather(*(store.acquire("acme", QUOTA, 1) for _ in range(8))))
+        finally:
+            await store.aclose()
+
+    after = asyncio.run(scenario())
+    assert [o.store_failed for o in after] == [False] * 8, after
