@@ -88,6 +88,8 @@ def test_redis_down_fails_quotas_closed_when_so_configured(tmp_path: Path) -> No
     assert row["reacted_s"] is not None, row
     assert set(row["statuses"]) <= {"200", "503"} and row["statuses"].get("503", 0) > 0, row  # refused, clearly
     assert row["ext_proc_while_held"].get("quota:failed_closed", 0) > 0, row
+    # Once Redis answered again, no request was refused (it was: stale pooled connections, fixed in quota_redis)
+    assert row["failed_after_back"] == 0, row
 
 
 def test_slow_redis_fails_quotas_open_and_breaks_nothing_else(tmp_path: Path) -> None:

@@ -335,6 +335,7 @@ class Fault:
         row = {
             "fault": self.name, "offered_rps": round(rps, 2), "sent": outcome.sent,
             "succeeded": outcome.completed, "failed": outcome.errors + outcome.timeouts,
+            "failed_after_back": None if back is None else sum(a.send_at_s >= injected + back for a in failed_after),
             "retried": after["retries"] - before["retries"],
             "fail_open": after["fail_open"] - before["fail_open"],
             "recovery_s": recovery, **figures,
