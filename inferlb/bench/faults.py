@@ -20,11 +20,15 @@ Faults under load (issue 20). For each fault, a fresh stack on loopback: simulat
 --simulate), the control plane, ext_proc and Envoy, with the product's retries (2), health checks and outlier
 detection. Open-loop Poisson load at LOAD of the fleet's capacity (every slot busy on the mix's mean
 request); once BASELINE requests have been served the fault is injected, left until the stack reacts (the
-worker leaves Envoy's healthy set, Envoy fails open, ...; at most REACT_TIMEOUT seconds), then restored
-(restart, SIGCONT, fail rate 0); TAIL more requests are sent once routing is back. Per fault: requests sent,
-succeeded, failed, retried (Envoy's cluster.workers.upstream_rq_retry), the reaction and the recovery time
-(from the injection to the later of the last failed request's send time and routing being back).
-Faults: """ + ", ".join(FAULTS) + "."
+worker leaves Envoy's healthy set, Envoy fails open, a quota check fails, Envoy NACKs, ...; at most
+REACT_TIMEOUT seconds), then restored (restart, SIGCONT, fail rate 0, delay 0, the good config); TAIL more
+requests are sent once routing is back. Per fault: requests sent, succeeded, failed, retried (Envoy's
+cluster.workers.upstream_rq_retry), the reaction and the recovery time (from the injection to the later of
+the last failed request's send time and routing being back).
+worker_delay puts a delaying TCP proxy (in this process) in front of one worker; the redis_* faults give
+ext_proc a throwaway redis-server for its quotas and cache (redis_slow: behind the delaying proxy) and send
+the load with an API key whose quota is checked there; config_nack runs the control plane with an injected
+endpoint Envoy cannot parse. Faults: """ + ", ".join(FAULTS) + "."
 
 EPILOG = """\
 examples:
