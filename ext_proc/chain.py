@@ -31,6 +31,7 @@ candidates: costing, scoring and picking never see the whole fleet.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from .costing import Costing
 from .catalogue import ModelCatalogue
@@ -116,16 +117,12 @@ class PickChain:
         asked: they judge requests, not a bound."""
         if not self._shedding or not pool:
             return None
-        candidates = costing.candidates(request, pool, observe=False)
-        for step in self._shedding:
-            reply = step.admit(request, candidates)
-            if reply is not None:
-                return reply
-        return None
+        return self._admitted(request, costing.candidates(request, pool, observe=False), self._shedding)
 
-    def _admitted(self, request: RequestView, candidates: Sequence[Candidate]) -> Reply | None:
-        """The first admit plugin's reply, or None: the request goes on to be picked."""
-        for step in self.admit:
+    def _admitted(self, request: RequestView, candidates: Sequence[Candidate],
+                  steps: Sequence[Any] | None = None) -> Reply | None:
+        """The first reply of the admit plugins (``steps``, all of them by default), or None: it goes on."""
+        for step in self.admit if steps is None else steps:
             reply = step.admit(request, candidates)
             if reply is not None:
                 return reply
