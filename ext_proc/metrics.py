@@ -137,6 +137,10 @@ _HOT_COUNTERS = {
                       "(over the tenant's quota), quota_unavailable (the quota store unreachable, failing "
                       "closed), or an admit plugin's own code.", "code",
                       ("overloaded", "rate_limit_exceeded", "quota_unavailable")),
+    "sheds": (f"{PREFIX}sheds", "Sheddable requests answered 429 overloaded, by where they were judged: request_headers "
+              "(before the body: never buffered, no token count), screen (with the body, before the fair queue), "
+              "fair_queue (the turn never came) or decision (judged again when picked).", "at",
+              ("request_headers", "screen", "fair_queue", "decision")),
     "auth_failures": (f"{PREFIX}auth_failures", "Requests refused for their API key (401, or 503 for no_key_table: "
                       "keys required and no key table received yet), by reason.", "reason",
                       ("missing_key", "invalid_key", "no_key_table")),

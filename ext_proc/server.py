@@ -638,7 +638,8 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             log.exception("pick chain failed screening a sheddable request; it is judged later",
                           extra={"unseen": unseen})
             return None
-        return self._reply(stream, request, reply) if reply is not None else None
+        return self._reply(stream, request, reply, "request_headers" if unseen else "screen") \
+            if reply is not None else None
 
     def _unknown_model(self, request: RequestView) -> bool:
         view = self.source.view
@@ -686,6 +687,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             return None
         stream.outcome = "shed"
         self.metrics.count("admit_replies", "overloaded")
+        self.metrics.count("sheds", "fair_queue")
         return self._refusal(stream, Reply(
             429, "overloaded", f"The fleet is saturated and this request did not get its turn "
             f"({outcome.value.replace('_', ' ')} after {time.perf_counter() - waited:.1f} s in the fair "
@@ -852,9 +854,12 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         if not task.cancelled() and task.exception() is not None:
             log.error("gateway cache: storing in Redis failed", exc_info=task.exception())
 
-    def _reply(self, stream: _Stream, request: RequestView, reply: Reply) -> bytes:
-        """ext_proc answers the request itself (an admit plugin's reply, the model filter's 404 or 503)."""
+    def _reply(self, stream: _Stream, request: RequestView, reply: Reply, at: str = "decision") -> bytes:
+        """ext_proc answers the request itself (an admit plugin's reply, the model filter's 404 or 503);
+        ``at``: the step that judged it, counted for a shed (how many 429s never waited for their body)."""
         self.metrics.count("admit_replies", reply.code)
+        if reply.status == 429:
+            self.metrics.count("sheds", at)
         if reply.param == "model":
             self.metrics.model_answer(self._model_label(request.model), str(reply.status))
         stream.outcome = "shed" if reply.status == 429 else "failed"

@@ -57,6 +57,10 @@ def test_sheddable_requests_are_shed_over_the_slo_and_critical_ones_served(tmp_p
             assert response.headers.get("x-inferlb-endpoint") in ids
         metrics = ext_proc.metrics()
         assert sample(metrics, "inferlb_ext_proc_admit_replies_total", code="overloaded") == 1
+        # no quota, cache or subset needs its body: judged at its request headers, Envoy never buffered it
+        assert {at: sample(metrics, "inferlb_ext_proc_sheds_total", at=at)
+                for at in ("request_headers", "screen", "fair_queue", "decision")} == {
+            "request_headers": 1, "screen": 0, "fair_queue": 0, "decision": 0}
         assert sample(metrics, "inferlb_ext_proc_deadline_predictions_total", predicted="met") == 3
 
         bad = post("urgent")

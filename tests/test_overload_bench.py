@@ -74,6 +74,13 @@ def test_a_short_overload_run_live_and_simulated(out: Path, tmp_path: Path) -> N
     live_baseline = report["runs"][1]
     assert live_baseline["shed"] == 0  # slo_ms 0: ext_proc sheds nothing
     assert all(c["shed"] == 0 for run in report["runs"] for name, c in run["classes"].items() if name != "sheddable")
+    for run in report["runs"][:2]:  # live: ext_proc's count of its sheds by step, and Envoy's own times for them
+        sheddable = run["classes"]["sheddable"]
+        assert set(sheddable["shed_at"]) == {"request_headers", "screen", "fair_queue", "decision"}
+        assert sum(sheddable["shed_at"].values()) >= sheddable["shed"]  # the warm-up's sheds too
+        gateway = sheddable["gateway_429"]
+        assert (gateway["count"] > 0) == (sheddable["shed"] > 0), run["run"]
+        assert gateway["count"] <= sum(sheddable["shed_at"].values())
     assert leftovers(str(out)) == []
 
 
@@ -99,18 +106,23 @@ def test_help_names_the_targets() -> None:
     assert done.returncode == 0 and "--quick" in done.stdout and "5 ms" in done.stdout and "95%" in done.stdout
 
 
-def _classes(critical_p99: float, errors: int, shed_p99: float | None, goodput: float) -> dict:
+def _classes(critical_p99: float, errors: int, shed_p99: float | None, goodput: float,
+             gateway_p99_ms: float | None = None) -> dict:
+    gateway = {} if gateway_p99_ms is None else {"gateway_429": {"count": 5, "p50_ms": 1.0, "p99_ms": gateway_p99_ms,
+                                                                   "max_ms": 9}}
     return {"critical": {"sent": 10, "completed": 10 - errors, "shed": 0, "errors": errors, "p50_s": 0.01,
                          "p99_s": critical_p99, "goodput_rps": goodput / 2},
             "sheddable": {"sent": 10, "completed": 5, "shed": 5, "errors": 0, "p50_s": 0.01, "p99_s": 0.2,
-                          "shed_p99_s": shed_p99, "goodput_rps": goodput / 2}}
+                          "shed_p99_s": shed_p99, "goodput_rps": goodput / 2, **gateway}}
 
 
 def test_the_targets_are_judged_as_the_issue_states_them() -> None:
-    met = run_figures("shedding", "live", 130.0, 100.0, 0.5, _classes(0.4, 0, 0.004, 96.0), 10.0)
-    assert verdicts(met) == {"critical_within_slo": True, "shed_429_within_5ms": True, "goodput_95pct": True}
-    missed = run_figures("shedding", "live", 130.0, 100.0, 0.5, _classes(0.6, 0, 0.006, 94.0), 10.0)
-    assert verdicts(missed) == {"critical_within_slo": False, "shed_429_within_5ms": False, "goodput_95pct": False}
+    met = run_figures("shedding", "live", 130.0, 100.0, 0.5, _classes(0.4, 0, 0.004, 96.0, 3.0), 10.0)
+    assert verdicts(met) == {"critical_within_slo": True, "shed_429_within_5ms": True,
+                             "gateway_429_within_5ms": True, "goodput_95pct": True}
+    missed = run_figures("shedding", "live", 130.0, 100.0, 0.5, _classes(0.6, 0, 0.006, 94.0, 6.0), 10.0)
+    assert verdicts(missed) == {"critical_within_slo": False, "shed_429_within_5ms": False,
+                                "gateway_429_within_5ms": False, "goodput_95pct": False}
     errors = run_figures("shedding", "live", 130.0, 100.0, 0.5, _classes(0.1, 1, None, 96.0), 10.0)
     assert verdicts(errors)["critical_within_slo"] is False and verdicts(errors)["shed_429_within_5ms"] is None
     simulated = run_figures("shedding", "sim", 130.0, 100.0, 0.5, _classes(0.1, 0, 0.007, 96.0), 10.0)
@@ -118,4 +130,5 @@ def test_the_targets_are_judged_as_the_issue_states_them() -> None:
     text = render({"scenario": "s", "capacity": {"rps": 100.0, "source": "scenario"}, "load": 1.3, "classes": "mix",
                    "slo_s": 0.5, "shed_slo_ms": 250.0, "runs": [met, missed]})
     assert "goodput_95pct MISSED" in text and "critical_within_slo met" in text
+    assert "gateway_429_within_5ms met" in text and "Envoy's own time for 5 429s" in text
     assert np.isclose(met["goodput_of_capacity"], 0.96)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,6 +17,7 @@ from inferlb_runtime.request_class import Priority
 
 from .classes import class_headers, trace_classes
 from .dataplanes import DataPlanePlan
+from .gateway_log import log_size, wait_for_answers
 from .loadgen import LoadOutcome, run_load
 from .overload_report import run_figures
 from .table import ms
@@ -23,6 +26,7 @@ from .runner import CAPACITY_CONFIGURATION, ScenarioRunner
 from .trace import Trace
 
 SWITCH_TIMEOUT_S = 30.0
+SHED_STAGES = ("request_headers", "screen", "fair_queue", "decision")  # ext_proc's sheds_total{at}
 
 
 def live_class_figures(outcome: LoadOutcome) -> dict[str, Any]:
@@ -65,6 +69,21 @@ class OverloadRunner(ScenarioRunner):
         return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
                    if s.name == "inferlb_ext_proc_policy_switches_total" and s.labels.get("result") == "switched")
 
+    @staticmethod
+    async def _sheds(client: httpx.AsyncClient, plan: DataPlanePlan) -> dict[str, float]:
+        """ext_proc's sheds so far, by the step that judged them (``inferlb_ext_proc_sheds_total{at}``)."""
+        text = (await client.get(f"{plan.ext_proc_metrics_url}/metrics")).text
+        counts = dict.fromkeys(SHED_STAGES, 0.0)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "inferlb_ext_proc_sheds_total" and sample.labels.get("at") in counts:
+                    counts[sample.labels["at"]] += sample.value
+        return counts
+
+    @staticmethod
+    def _envoy_log(plan: DataPlanePlan) -> Path:
+        return next(c.log_path for stage in plan.stages for c in stage if c.name == "envoy")
+
     async def _classes_run(self, group: ProcessGroup, client: httpx.AsyncClient, plan: DataPlanePlan,
                            rps: float) -> dict[str, dict[str, Any]]:
         """The trace at ``rps``, each class by its own generator, concurrently; figures per class."""
@@ -84,9 +103,21 @@ class OverloadRunner(ScenarioRunner):
             runs[priority.name.lower()] = run_load(plan.url, sub, sub_bodies, slo_s=s.slo_s,
                                                    timeout_s=s.request_timeout_s, warmup_s=s.warmup_s,
                                                    progress=False, headers=class_headers(priority))
+        envoy_log = self._envoy_log(plan)
+        offset, sheds_before = log_size(envoy_log), await self._sheds(client, plan)
+        measured_from = datetime.now(timezone.utc) + timedelta(seconds=s.warmup_s)
         outcomes = await asyncio.gather(*runs.values())
         group.check_alive()
-        return {name: live_class_figures(o) for name, o in zip(runs, outcomes)}
+        figures = {name: live_class_figures(o) for name, o in zip(runs, outcomes)}
+        if "sheddable" in figures:
+            sheddable = figures["sheddable"]
+            sheds_after = await self._sheds(client, plan)
+            # the same 429s as Envoy timed them, without the generator's lateness (whole ms, truncated;
+            # requests started after the warm-up on the wall clock, so a few more or fewer than the client's)
+            gateway = await wait_for_answers(envoy_log, offset, 429, measured_from, sheddable["shed"])
+            sheddable["gateway_429"] = gateway.summary()
+            sheddable["shed_at"] = {k: int(sheds_after[k] - sheds_before[k]) for k in SHED_STAGES}
+        return figures
 
     async def overload(self, load: float, shed_slo_ms: float) -> dict[str, Any]:
         """Capacity, then the shedding and the baseline runs on one stack."""
