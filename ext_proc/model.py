@@ -27,7 +27,7 @@ class EndpointView:
 
     ``telemetry`` holds the figures the control plane attaches as metadata
     (namespace ``inferlb``: cpu_utilization, latency_per_token_s, queue_depth,
-    inflight, rps, error_rate, batch_cost_per_token_s, batch_cost_fixed_s, ...).
+    inflight, rps, error_rate, batch_cost_per_token_s, batch_cost_fixed_s, slots, ...).
     """
 
     id: str  # host:port
@@ -71,7 +71,9 @@ class Candidate(NamedTuple):
 
     endpoint: EndpointView
     predicted_cost_s: float  # this request's predicted service time on the endpoint
-    outstanding_s: float  # predicted work already there: our in-flight + the worker's reported queue
+    # predicted wait there before it starts: the work already there (our in-flight + the worker's reported
+    # queue), over the endpoint's slots (``costing.slot_wait_s``; all of it on a single-slot worker)
+    outstanding_s: float
     outstanding_requests: int  # requests this ext_proc has in flight there
     outstanding_tokens: int  # tokens this ext_proc has in flight there
 
