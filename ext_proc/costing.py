@@ -40,11 +40,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from .model import Candidate, EndpointView, RequestView
+from .model import SLOTS_KEY, Candidate, EndpointView, RequestView
 from .outstanding import Outstanding
 
 ORCA_INFLIGHT_KEY = "named_metrics.inflight"
-SLOTS_KEY = "slots"  # EDS telemetry: jobs the worker runs at once
 MAX_REPLICA_FACTOR = 64.0
 
 
@@ -167,9 +166,8 @@ class Costing:
                 if foreign > 0:
                     outstanding_s += foreign * predict(endpoint_id, mean_tokens, telemetry)
                     there += foreign
-            slots = telemetry.get(SLOTS_KEY)
-            if slots is not None and slots > 1.0:
-                outstanding_s = slot_wait_s(outstanding_s, there, slots)
+            if SLOTS_KEY in telemetry:
+                outstanding_s = slot_wait_s(outstanding_s, there, e.slots)
             candidates.append(Candidate(e, predict(endpoint_id, tokens, telemetry, version), outstanding_s, requests,
                                         load.tokens))
         return candidates

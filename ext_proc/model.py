@@ -21,6 +21,9 @@ from inferlb_runtime.model_routing import DEFAULT_POOL
 from inferlb_runtime.request_class import Priority
 
 
+SLOTS_KEY = "slots"  # EDS telemetry: jobs the worker runs at once
+
+
 @dataclass(frozen=True)
 class EndpointView:
     """One endpoint of the ``workers`` cluster as the control plane's EDS describes it.
@@ -44,6 +47,13 @@ class EndpointView:
     @property
     def routable(self) -> bool:
         return self.healthy and not self.draining
+
+    @property
+    def slots(self) -> float:
+        """Jobs it runs at once (telemetry ``slots``: the worker's ``inferlb_worker_slots``); 1 when it does
+        not say, so a worker without the gauge is costed as a single queue, as before the gauge."""
+        slots = self.telemetry.get(SLOTS_KEY)
+        return slots if slots is not None and slots > 1.0 else 1.0
 
 
 @dataclass(frozen=True)
