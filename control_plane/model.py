@@ -69,6 +69,7 @@ class Telemetry:
     error_rate: float = 0.0  # fraction of requests answered 5xx (or 429) in the window
     batch_cost_per_token_s: float = 0.0  # the worker's own fit t = a * tokens + b
     batch_cost_fixed_s: float = 0.0
+    slots: float = 1.0  # jobs the worker runs at once (its ``inferlb_worker_slots``; 1 if it does not say)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ QUEUE_DEPTH = PREFIX + "queue_depth"
 INFLIGHT = PREFIX + "inflight_requests"
 CPU = PREFIX + "cpu_utilization"
 BATCH_COST = PREFIX + "batch_cost_seconds"  # optional: gauge{term="per_token"|"fixed"}
+SLOTS = PREFIX + "slots"  # optional: jobs run at once; a worker that does not say has one
 START_TIME = "process_start_time_seconds"  # optional: detects restarts even if counters grew back
 
 REQUIRED_FAMILIES = (REQUESTS, DURATION, QUEUE_WAIT, TOKENS, INPUTS, QUEUE_DEPTH, INFLIGHT, CPU)
@@ -80,6 +81,7 @@ class Sample:
     cpu_utilization: float
     batch_cost_per_token_s: float = 0.0
     batch_cost_fixed_s: float = 0.0
+    slots: float = 1.0
     process_start_time: float | None = None
     # Sample lines of the families read here whose value was NaN or +-Inf: skipped, not summed. A sample
     # with any is not windowed (the scraper keeps the last clean one), so no EWMA ever sees them.
@@ -110,6 +112,7 @@ class WindowFigures:
     cpu_utilization: float
     batch_cost_per_token_s: float
     batch_cost_fixed_s: float
+    slots: float = 1.0
     restarted: bool = False
 
 
@@ -129,7 +132,7 @@ def _refused(families: Mapping[str, Metric]) -> int:
 
     A bucket's ``le="+Inf"`` is a label, not a value: only values are checked.
     """
-    names = (*REQUIRED_FAMILIES, BATCH_COST, START_TIME)
+    names = (*REQUIRED_FAMILIES, BATCH_COST, SLOTS, START_TIME)
     return sum(1 for name in names if name in families
                for s in families[name].samples if not math.isfinite(float(s.value)))
 
@@ -214,6 +217,7 @@ def sample_from_families(families: Mapping[str, Metric], at: float) -> Sample:
         cpu_utilization=_scalar(families, CPU, CPU),
         batch_cost_per_token_s=cost.get("per_token", 0.0),
         batch_cost_fixed_s=cost.get("fixed", 0.0),
+        slots=max(1.0, _scalar(families, SLOTS, SLOTS, 1.0)),
         process_start_time=None if math.isnan(start) else start,
         refused=_refused(families),
     )
@@ -313,6 +317,7 @@ def window(prev: Sample, cur: Sample) -> WindowFigures:
         cpu_utilization=cur.cpu_utilization,
         batch_cost_per_token_s=cur.batch_cost_per_token_s,
         batch_cost_fixed_s=cur.batch_cost_fixed_s,
+        slots=cur.slots,
         restarted=reset,
     )
 
@@ -325,10 +330,10 @@ _LATENCY_FIELDS = (
 )
 # Rates: always measured, an idle window really is zero.
 _RATE_FIELDS = ("rps", "tokens_per_s", "cpu_utilization")
-# Taken as reported: the worker's own least-squares fit (already smoothed there), and the queue and
-# in-flight gauges. ext_proc counts other routers' work from the gauges; an EWMA of them lags the
-# truth by seconds, so replicas would herd onto workers that only look idle.
-_LATEST_FIELDS = ("batch_cost_per_token_s", "batch_cost_fixed_s", "queue_depth", "inflight")
+# Taken as reported: the worker's own least-squares fit (already smoothed there), its slot count (a fact,
+# not a measurement), and the queue and in-flight gauges. ext_proc counts other routers' work from the
+# gauges; an EWMA of them lags the truth by seconds, so replicas would herd onto workers that only look idle.
+_LATEST_FIELDS = ("batch_cost_per_token_s", "batch_cost_fixed_s", "slots", "queue_depth", "inflight")
 
 
 def smooth(prev: Telemetry | None, figures: WindowFigures, at: float, alpha: float) -> Telemetry:

@@ -19,6 +19,19 @@ half a second ago. With one replica the factor is ~1 and this is exact
 bookkeeping of our own work. Foreign work is costed at this ext_proc's mean
 request size; requests, not queued inputs, are the unit because that is what
 ext_proc counts of its own.
+
+**Slots.** A worker that runs ``k`` jobs at once (telemetry ``slots``: its
+``inferlb_worker_slots`` gauge, 1 when it does not say) serves its outstanding
+work ``k`` times as fast, and a request there waits only for the first slot to
+free. So the candidate's ``outstanding_s`` is the predicted wait, by
+:func:`slot_wait_s`: with ``n`` requests there (ours and foreign) holding
+``W`` seconds of work, ``W * max(0, n - k + 1) / (n * k)``, i.e. the
+``n - k + 1`` requests' worth of work that must finish before a slot is free,
+done ``k`` at a time. ``k = 1`` gives ``W``: the single-slot arithmetic,
+unchanged. Without it, 3 requests on a 4-slot worker looked like a queue of
+3, and the pick chain sent work to idle single-slot slow workers instead
+(simulated multi-slot fleet: p99 2.15x the clairvoyant oracle's; see
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,11 +40,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from .model import Candidate, EndpointView, RequestView
+from .model import SLOTS_KEY, Candidate, EndpointView, RequestView
 from .outstanding import Outstanding
 
 ORCA_INFLIGHT_KEY = "named_metrics.inflight"
 MAX_REPLICA_FACTOR = 64.0
+
+
+def slot_wait_s(work_s: float, requests: float, slots: float) -> float:
+    """Predicted wait for a free slot on a worker with ``slots`` slots and ``requests`` requests holding
+    ``work_s`` seconds of work (see the module docstring). Each request is taken as the mean of the work,
+    since only the total is known of the foreign ones. ``slots`` <= 1: all of ``work_s``."""
+    if slots <= 1.0:
+        return work_s
+    ahead = requests - slots + 1.0  # requests that must finish before one of the slots is free
+    if ahead <= 0.0 or requests <= 0.0:
+        return 0.0
+    return work_s * ahead / (requests * slots)
 
 
 class CostPredictor(Protocol):
@@ -134,11 +159,15 @@ class Costing:
             if reported is None:
                 reported = telemetry.get(key)
                 ours_then = ours_at_eds.get(endpoint_id, 0)
+            there = float(requests)
             if reported is not None:
                 # everyone's work now ~ the snapshot + what we began since (net), times our replica factor
                 foreign = reported + factor * (requests - ours_then) - requests
                 if foreign > 0:
                     outstanding_s += foreign * predict(endpoint_id, mean_tokens, telemetry)
+                    there += foreign
+            if SLOTS_KEY in telemetry:
+                outstanding_s = slot_wait_s(outstanding_s, there, e.slots)
             candidates.append(Candidate(e, predict(endpoint_id, tokens, telemetry, version), outstanding_s, requests,
                                         load.tokens))
         return candidates

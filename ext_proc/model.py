@@ -21,13 +21,16 @@ from inferlb_runtime.model_routing import DEFAULT_POOL
 from inferlb_runtime.request_class import Priority
 
 
+SLOTS_KEY = "slots"  # EDS telemetry: jobs the worker runs at once
+
+
 @dataclass(frozen=True)
 class EndpointView:
     """One endpoint of the ``workers`` cluster as the control plane's EDS describes it.
 
     ``telemetry`` holds the figures the control plane attaches as metadata
     (namespace ``inferlb``: cpu_utilization, latency_per_token_s, queue_depth,
-    inflight, rps, error_rate, batch_cost_per_token_s, batch_cost_fixed_s, ...).
+    inflight, rps, error_rate, batch_cost_per_token_s, batch_cost_fixed_s, slots, ...).
     """
 
     id: str  # host:port
@@ -44,6 +47,13 @@ class EndpointView:
     @property
     def routable(self) -> bool:
         return self.healthy and not self.draining
+
+    @property
+    def slots(self) -> float:
+        """Jobs it runs at once (telemetry ``slots``: the worker's ``inferlb_worker_slots``); 1 when it does
+        not say, so a worker without the gauge is costed as a single queue, as before the gauge."""
+        slots = self.telemetry.get(SLOTS_KEY)
+        return slots if slots is not None and slots > 1.0 else 1.0
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,9 @@ class Candidate(NamedTuple):
 
     endpoint: EndpointView
     predicted_cost_s: float  # this request's predicted service time on the endpoint
-    outstanding_s: float  # predicted work already there: our in-flight + the worker's reported queue
+    # predicted wait there before it starts: the work already there (our in-flight + the worker's reported
+    # queue), over the endpoint's slots (``costing.slot_wait_s``; all of it on a single-slot worker)
+    outstanding_s: float
     outstanding_requests: int  # requests this ext_proc has in flight there
     outstanding_tokens: int  # tokens this ext_proc has in flight there
 

@@ -196,7 +196,7 @@ class Shed:
     that arrive while it waits are served first, so its time there ``B + c`` (queued work and its own
     cost) is stretched to ``(B + c) / (1 - rho)``, ``rho`` the utilisation those classes offer that
     endpoint (``offered_work.py``: the predicted seconds this ext_proc routed there per second, observed
-    through :meth:`decided`); at ``rho >= 1`` it would not be served within any SLO. That is the
+    through :meth:`decided`, over the endpoint's slots); at ``rho >= 1`` it would not be served within any SLO. That is the
     preemptive-resume priority queue's response time; the workers do not preempt, so it overstates a
     long request's by ``c * rho / (1 - rho)``, on purpose: a long sheddable request holds a worker
     against every higher-class arrival, and goodput (answers within the SLO) gains one answer for it as
@@ -225,7 +225,7 @@ class Shed:
         else:
             best = math.inf
             for c in candidates:
-                free = 1.0 - offered.rate(c.endpoint.id)
+                free = 1.0 - offered.rate(c.endpoint.id) / c.endpoint.slots  # its slots share the work
                 if free > 0.0:
                     best = min(best, (c.outstanding_s + c.predicted_cost_s) / free)
         if best <= self._slo_s:

@@ -105,6 +105,18 @@ def test_a_sheddable_request_is_shed_when_the_higher_classes_would_keep_it_past_
         assert shed.admit(request(priority), waiting) is None  # never shed
 
 
+def test_the_higher_classes_utilisation_of_a_multi_slot_worker_is_over_its_slots() -> None:
+    """1.6 s of standard work per second is 80% of a 2-slot worker (telemetry ``slots``), not 160%: a
+    sheddable request there is predicted at (B + c) / (1 - 0.8), not refused as if it would never run."""
+    clock = ManualClock()
+    shed = Shed(ShedParams(slo_ms=600), clock=clock)
+    two_slots = EndpointView(A.id, A.address, A.port, telemetry={"slots": 2.0})
+    route(shed, clock, two_slots, Priority.STANDARD, 0.016, 0.01, 1000)
+    assert shed.admit(request(Priority.SHEDDABLE), [candidate(two_slots, 0.1)]) is None  # 0.11 / 0.2 = 550 ms
+    reply = shed.admit(request(Priority.SHEDDABLE), [candidate(A, 0.1)])  # the same work on one slot
+    assert isinstance(reply, Reply) and "critical and standard requests keep every candidate busy" in reply.message
+
+
 def test_sheddable_work_does_not_count_and_the_rate_fades_when_the_load_stops() -> None:
     clock = ManualClock()
     shed = Shed(ShedParams(slo_ms=500), clock=clock)

@@ -209,6 +209,23 @@ def test_smooth_takes_the_queue_and_inflight_gauges_as_reported() -> None:
     assert t.rps == pytest.approx(12.5)
 
 
+def test_slots_travel_from_the_gauge_to_telemetry_as_reported() -> None:
+    """``inferlb_worker_slots`` (jobs run at once) is a fact about the worker: taken as is, never averaged;
+    a worker without the gauge (older, or another build) has one slot, and so has one reporting less."""
+    m = FakeWorkerMetrics()
+    before = parse_sample(m.text(), at=1.0)
+    assert before.slots == 1.0
+    slots = Gauge("inferlb_worker_slots", "Jobs at once.", registry=m.registry)
+    slots.set(4)
+    m.request(tokens=10)
+    after = parse_sample(m.text(), at=2.0)
+    assert after.slots == 4.0
+    t = smooth(Telemetry(observed_at=1.0, slots=1.0), window(before, after), at=2.0, alpha=0.25)
+    assert t.slots == 4.0
+    slots.set(0)
+    assert parse_sample(m.text(), at=3.0).slots == 1.0
+
+
 def test_idle_window_keeps_latency_but_updates_rates() -> None:
     prev = Telemetry(observed_at=1.0, rps=10.0, tokens_per_s=400.0, latency_mean_s=0.02, latency_p50_s=0.015,
                      latency_p99_s=0.08, latency_per_token_s=0.001, queue_wait_mean_s=0.003, error_rate=0.2,

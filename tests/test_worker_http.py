@@ -163,6 +163,7 @@ def test_metrics_and_orca_header_report_the_work(worker: WorkerProcess) -> None:
     for name in ("inferlb_worker_queue_depth", "inferlb_worker_inflight_requests", "inferlb_worker_cpu_utilization"):
         assert name in after
     assert 0.0 <= after["inferlb_worker_cpu_utilization"] <= 1.0
+    assert after["inferlb_worker_slots"] == 1  # one batch at a time: balancers count its work as one queue
 
     orca = response.headers["endpoint-load-metrics"]
     assert orca.startswith("TEXT ")

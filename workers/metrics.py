@@ -132,6 +132,11 @@ class WorkerMetrics:
                                        "Requests refused (504) because their deadline passed before their inputs "
                                        "could start.", registry=r)
         self.inflight = Gauge("inferlb_worker_inflight_requests", "Requests being served.", registry=r)
+        # Balancers divide the work queued here over the slots: 3 in flight is a queue on a 1-slot worker
+        # and a free slot on a 4-slot one (control_plane/telemetry.py reads it; ext_proc/costing.py uses it).
+        self.slots = Gauge("inferlb_worker_slots", "Jobs (batches, or simulated requests) this worker runs at once.",
+                           registry=r)
+        self.slots.set(1)
         self.cpu = Gauge(
             "inferlb_worker_cpu_utilization", "Process CPU use as a fraction (0..1) of its allotted cores.", registry=r
         )

@@ -32,6 +32,10 @@ RunModelBatch = Callable[[str, list[Sequence[int]]], np.ndarray]
 class ModelBatchers:
     """The service's input scheduler when it serves real models: ``embed`` takes the version to run."""
 
+    # Batches run one at a time, on the service's single inference thread, whichever version they are for:
+    # one slot (a batch holds many requests, but they start and end together).
+    slots = 1
+
     def __init__(self, models: Sequence[str], run_batch: RunModelBatch, *, executor: Executor,
                  observer: BatchObserver, **options: Any) -> None:
         self.cost = BatchCostModel()

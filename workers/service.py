@@ -47,6 +47,7 @@ class InputScheduler(Protocol):
     ``workers.simulated.SlotScheduler`` when simulating."""
 
     cost: BatchCostModel
+    slots: int  # how many jobs (batches or simulated requests) run at once: the worker's reported ``slots``
 
     @property
     def queued(self) -> int: ...
@@ -109,6 +110,7 @@ class EmbeddingService:
             aging_s=config.aging_s,
             scheduling=Scheduling(config.scheduling),
         )
+        self.metrics.slots.set(self.batcher.slots)
         # Requests go through the per-input cache; warm-up goes to the batcher directly (it must compute).
         # Simulated workers have no cache: their vectors are dummies and their cost is the point.
         cache = InputCache(0 if scheduler_factory else config.cache_max_bytes, observer=self.metrics)

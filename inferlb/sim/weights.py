@@ -53,6 +53,7 @@ def sample_of(fleet: SimFleet, index: int, now: float) -> Sample:
         tokens_total=float(w.tokens_total), inputs_total=float(w.inputs_total),
         queue_depth=float(len(w.queue) * fleet.inputs_per_request), inflight=float(w.inflight),
         cpu_utilization=w.cpu_utilization, batch_cost_per_token_s=per_token, batch_cost_fixed_s=fixed,
+        slots=float(w.slots),
     )
 
 
