@@ -9,14 +9,13 @@ is stopped (fast shutdown, then SIGKILL) and its directory removed when the
 session ends, even after a failure; its log is shown if it fails to start.
 
 Without the server binaries the tests that need it are skipped with how to
-install them; ``make test`` installs them (``APT_PACKAGES``).
+install them; ``make test`` installs them (``APT_PACKAGES``). Finding the
+binaries, ``initdb`` and the server's command line are the product's
+(``inferlb.bench.faults_postgres``, the PostgreSQL fault's server).
 """
 
 from __future__ import annotations
 
-import glob
-import os
-import pwd
 import shutil
 import signal
 import subprocess
@@ -29,21 +28,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from inferlb.bench.faults_postgres import ServerMissing, init_cluster, server_argv, server_binaries, server_url
+
 from .conftest import free_port
 from .stack import Proc, launch, wait_for
-
-OS_USER = "postgres"
-
-
-def server_binaries() -> Path | None:
-    """The newest ``/usr/lib/postgresql/<version>/bin`` with ``initdb`` and ``postgres``, or None."""
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin/postgres"),
-                        key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0)
-    for postgres in reversed(candidates):
-        bin_dir = Path(postgres).parent
-        if (bin_dir / "initdb").exists():
-            return bin_dir
-    return None
 
 
 @dataclass
@@ -53,7 +41,7 @@ class PostgresServer:
     bin_dir: Path
 
     def url(self, database: str = "postgres") -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+        return server_url(self.port, database)
 
     def admin(self) -> psycopg.Connection:
         """A superuser connection to the ``postgres`` database (autocommit)."""
@@ -82,11 +70,6 @@ class PostgresServer:
         return len(rows)
 
 
-def _as_postgres(argv: list[str]) -> list[str]:
-    """Run ``argv`` as the postgres OS user; ``setpriv`` execs (no extra parent), so signals reach the server."""
-    return ["setpriv", f"--reuid={OS_USER}", f"--regid={OS_USER}", "--init-groups", "--", *argv]
-
-
 def _stop(proc: Proc) -> None:
     """Fast shutdown (SIGINT: disconnect clients, stop), SIGKILL if it hangs; always reaped."""
     if proc.alive():
@@ -104,29 +87,16 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgr
     if bin_dir is None:
         pytest.skip("PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin: "
                     "apt-get install postgresql (make test installs it)")
-    try:
-        user = pwd.getpwnam(OS_USER)
-    except KeyError:
-        pytest.skip(f"no {OS_USER!r} OS user: apt-get install postgresql creates it")
     log_dir = tmp_path_factory.mktemp("postgres-logs")
     # Not under pytest's tmp dir: that one is root-only (0700), and the server runs as postgres.
     base = Path(tempfile.mkdtemp(prefix="inferlb-pg-"))
     try:
-        data, sockets = base / "data", base / "sockets"
-        data.mkdir()
-        sockets.mkdir()
-        for path in (base, data, sockets):
-            os.chown(path, user.pw_uid, user.pw_gid)
-        initdb = subprocess.run(
-            _as_postgres([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                          "--encoding=UTF8", "--no-sync", "--no-instructions"]),
-            capture_output=True, text=True, cwd=base, timeout=120, check=False)
-        assert initdb.returncode == 0, f"initdb failed:\n{initdb.stdout}\n{initdb.stderr}"
+        try:
+            data, sockets = init_cluster(base, bin_dir)
+        except ServerMissing as exc:
+            pytest.skip(str(exc))
         port = free_port()
-        proc = launch("postgres", _as_postgres([
-            str(bin_dir / "postgres"), "-D", str(data), "-h", "127.0.0.1", "-p", str(port), "-k", str(sockets),
-            "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
-            "-c", "max_connections=200", "-c", "log_min_messages=warning"]), log_dir)
+        proc = launch("postgres", server_argv(bin_dir, data, sockets, port), log_dir)
         try:
             server = PostgresServer(proc, port, bin_dir)
             wait_for(server.accepts_connections, 60, "PostgreSQL to accept connections", [proc])

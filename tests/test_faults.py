@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from inferlb.bench.faults_live import FaultPlan, FaultRunner
+from inferlb.bench.faults_live import PIN_WHEN_BACK, FaultPlan, FaultRunner
+from inferlb.bench.faults_postgres import server_binaries
 
 PLAN = FaultPlan(load=0.7, baseline=40, tail=40, max_run_s=60.0, react_timeout_s=20.0)
 
@@ -104,3 +105,18 @@ def test_a_nacked_config_leaves_serving_on_the_last_good_one_and_shows_in_the_ad
     assert "malformed IP address" in (row["last_nack"] or ""), row  # Envoy's own words
     assert row["in_sync_while_held"] is False and row["envoy_update_rejected"] >= 1, row
     assert row["failed"] == 0, row  # served on the last good config; back_s: the good one ACKed
+
+
+def test_postgres_down_under_two_replicas_refuses_mutations_clearly_and_they_converge_after(tmp_path: Path) -> None:
+    if server_binaries() is None:
+        pytest.skip("PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin (make test installs them)")
+    row = run_fault(tmp_path, "postgres_down")  # two control-plane replicas on a throwaway PostgreSQL, shut down
+    assert row["failed"] == 0, row  # serving never needs the store
+    assert row["reacted_s"] is not None, row  # each replica refused a pin
+    down = row["mutations_while_down"]
+    assert {m["replica"] for m in down} == {"a", "b"}, down
+    # every mutation while it was down: 503 store_unavailable in the admin API's error shape (no 500, no hang)
+    assert all(m["status"] == 503 and m["code"] == "store_unavailable" and m["error_shape"] for m in down), down
+    assert row["pinned_while_down"] == {"a": None, "b": None}, row  # and nothing changed
+    # back_s: a pin through replica B, once PostgreSQL answered again, shown by replica A and applied by its Envoy
+    assert row["pinned_after"] == {"a": PIN_WHEN_BACK, "b": PIN_WHEN_BACK}, row

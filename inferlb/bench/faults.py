@@ -28,7 +28,9 @@ the last failed request's send time and routing being back).
 worker_delay puts a delaying TCP proxy (in this process) in front of one worker; the redis_* faults give
 ext_proc a throwaway redis-server for its quotas and cache (redis_slow: behind the delaying proxy) and send
 the load with an API key whose quota is checked there; config_nack runs the control plane with an injected
-endpoint Envoy cannot parse. Faults: """ + ", ".join(FAULTS) + "."
+endpoint Envoy cannot parse; postgres_down runs two control-plane replicas on a throwaway PostgreSQL server
+(Envoy and ext_proc on the first), shuts it down at once, pins a weight through each replica (503 expected),
+starts it again and pins through the second until the first and its Envoy show it. Faults: """ + ", ".join(FAULTS) + "."
 
 EPILOG = """\
 examples:

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
 from .dataplanes.launch import healthy_hosts, start_data_plane
 from .faults_nacking_control_plane import FLAG_ENV
+from .faults_postgres import PostgresProcess, ThrowawayPostgres
 from .faults_proxy import DelayProxy
 from .faults_redis import RedisProcess, ThrowawayRedis
 from .fleet import fleet_components
@@ -45,13 +46,16 @@ ENDPOINT_HEADER = "x-inferlb-endpoint"  # set by ext_proc's pick: absent when En
 WORKER_HEADER = "x-inferlb-worker"  # set by the worker that served
 CACHE_HEADER = "x-inferlb-cache"  # "hit": answered by ext_proc's gateway cache, no worker
 FAULTS = ("worker_kill", "worker_stop", "ext_proc_kill", "control_plane_kill", "envoy_restart", "worker_500",
-          "worker_delay", "redis_down", "redis_down_closed", "redis_slow", "config_nack")
+          "worker_delay", "redis_down", "redis_down_closed", "redis_slow", "config_nack", "postgres_down")
 REDIS_FAULTS = ("redis_down", "redis_down_closed", "redis_slow")
 QUOTA_METRIC = "inferlb_ext_proc_quota_decisions_total"
 CACHE_METRIC = "inferlb_ext_proc_cache_requests_total"
 FAULT_TENANT = "faults"
 NACKING_CONTROL_PLANE = "inferlb.bench.faults_nacking_control_plane"
 RATE_LIMIT_HEADER = "x-ratelimit-limit-requests"  # on every answer to a key with a quota, once checked
+REPLICA_B = "control-plane-b"  # postgres_down: the second control-plane replica (no Envoy on it)
+PIN_WHILE_DOWN = 7  # postgres_down: the pin refused while PostgreSQL is down (never applied)
+PIN_WHEN_BACK = 100  # postgres_down: the pin through replica B once it is back (the default weight: no shift)
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,15 @@ def host_flags(clusters_text: str, host: str, cluster: str = "workers") -> str |
     return None
 
 
+def host_weight(clusters_text: str, host: str, cluster: str = "workers") -> int | None:
+    """Envoy's load-balancing weight of ``host`` in ``cluster`` (from EDS); None: not there."""
+    for line in clusters_text.splitlines():
+        parts = line.split("::")
+        if len(parts) == 4 and parts[0] == cluster and parts[1] == host and parts[2] == "weight":
+            return int(parts[3]) if parts[3].isdigit() else None
+    return None
+
+
 def host_requests(clusters_text: str, cluster: str = "workers") -> dict[str, int]:
     """Requests Envoy sent to each host of ``cluster`` (its ``rq_total``), retries included."""
     out = {}
@@ -153,6 +166,28 @@ class FaultSetup:
     redis_proxy: DelayProxy | None = None
     ext_proc_env: dict[str, str] = field(default_factory=dict)
     nack_flag: Path | None = None  # config_nack: the control plane sends Envoy a bad endpoint while it exists
+    postgres: PostgresProcess | None = None  # postgres_down: the store the two control-plane replicas share
+    replica_b_url: str | None = None  # postgres_down: the second replica's admin API
+
+
+def second_replica(control_plane: Component, workdir: Path) -> tuple[Component, str]:
+    """Another control plane like ``control_plane`` (same store, endpoints, settings and admin token) on its
+    own ports and data directory; its admin URL. Nothing connects to its xDS: it is the replica an operator
+    may reach instead."""
+    xds, admin = free_port(), free_port()
+    while admin == xds:
+        admin = free_port()
+    data = workdir / "control-plane-b-data"
+    data.mkdir(parents=True, exist_ok=True)
+    changed = {"--xds-port": str(xds), "--admin-port": str(admin), "--data-dir": str(data)}
+    argv = list(control_plane.argv)
+    for i, arg in enumerate(argv[:-1]):
+        if arg in changed:
+            argv[i + 1] = changed[arg]
+    url = f"http://127.0.0.1:{admin}"
+    return dataclasses.replace(control_plane, name=REPLICA_B, argv=argv, ready_url=f"{url}/readyz",
+                               log_path=control_plane.log_path.with_name(f"{REPLICA_B}.log"),
+                               env={**control_plane.env, "INFERLB_DATA_DIR": str(data)}), url
 
 
 class FaultRunner(ScenarioRunner):
@@ -185,6 +220,7 @@ class FaultRunner(ScenarioRunner):
                                request_timeout_s=self.scenario.request_timeout_s, envoy=self.envoy,
                                retries=PRODUCT_RETRIES)
         flag = self.setup.nack_flag
+        postgres = self.setup.postgres
 
         def changed(c: Component) -> Component:
             if c.name == "ext_proc" and self.setup.ext_proc_env:
@@ -192,6 +228,8 @@ class FaultRunner(ScenarioRunner):
             if c.name == "control-plane" and flag is not None:  # the same process, its build wrapped
                 argv = [c.argv[0], "-m", NACKING_CONTROL_PLANE, *c.argv[3:]]
                 return dataclasses.replace(c, argv=argv, env={**c.env, FLAG_ENV: str(flag)})
+            if c.name == "control-plane" and postgres is not None:
+                return dataclasses.replace(c, env={**c.env, "INFERLB_STORE": postgres.url})
             return c
 
         return dataclasses.replace(plan, stages=tuple(tuple(changed(c) for c in stage) for stage in plan.stages))
@@ -202,6 +240,9 @@ class FaultRunner(ScenarioRunner):
         await group.start(fleet_components(self.scenario.fleet, self.layout, workdir / "logs",
                                            workdir / "worker-data", env=self.worker_env))
         await start_data_plane(plan, group, client, [f"{h}:{p}" for h, p in self.routed])
+        if self.setup.postgres is not None:  # the second replica, on the same store
+            replica, self.setup.replica_b_url = second_replica(plan.stages[0][0], workdir)
+            await group.start([replica])
 
     async def _set_up(self, name: str, stack: contextlib.AsyncExitStack) -> FaultSetup:
         setup = FaultSetup()
@@ -221,6 +262,8 @@ class FaultRunner(ScenarioRunner):
                 "INFERLB_EXT_PROC_QUOTA_STORE": url, "INFERLB_EXT_PROC_CACHE_STORE": url,
                 "INFERLB_EXT_PROC_CACHE_MAX_BYTES": str(64 << 20),  # the product's default: the cache on
                 "INFERLB_EXT_PROC_QUOTA_FAILURE_MODE": "closed" if name == "redis_down_closed" else "open"}
+        if name == "postgres_down":
+            setup.postgres = await stack.enter_async_context(ThrowawayPostgres(self.out_dir / "logs"))
         return setup
 
     async def run_all(self) -> list[dict[str, Any]]:
@@ -320,6 +363,8 @@ class Fault:
             figures = {"injected_at_s": round(injected, 3), "reacted_s": _since(reacted, injected),
                        "restored_s": round(restored - injected, 3), "back_s": _since(back, injected),
                        "target_share_until_reaction": _share(hosts0, hosts1, self.target), **held}
+            if hasattr(self, f"figures_{self.name}"):
+                figures.update(await getattr(self, f"figures_{self.name}")())
         finally:
             stop.set()
             outcome = await load
@@ -658,6 +703,94 @@ class Fault:
         """Envoy ACKed the good config published after the restore, and served."""
         eds = await self.envoy_eds()
         return eds is not None and eds["in_sync"] and await self.answered(1, self.restored_at)
+
+    # --- PostgreSQL down under two control-plane replicas: serving goes on, mutations get a clear 503, and
+    # the replicas converge when it returns ----------------------------------------------------------------
+
+    def _replica_urls(self) -> dict[str, str]:
+        assert self.dp.control_plane_url is not None and self.setup.replica_b_url is not None
+        return {"a": self.dp.control_plane_url, "b": self.setup.replica_b_url}
+
+    async def _mutate(self, replica: str, weight: int) -> dict[str, Any]:
+        """Pin the target's weight through ``replica``: the answer's status, error code and time (a hang shows
+        as ``timeout`` after the client's 5 s)."""
+        url = f"{self._replica_urls()[replica]}/v1/endpoints/{self.target_worker}/weight"
+        started = self.loop.time()
+        try:
+            response = await self.client.put(url, json={"weight": weight}, headers=self._admin())
+        except httpx.TimeoutException:
+            return {"replica": replica, "status": "timeout", "at_s": round(self.now(), 3)}
+        try:
+            body = response.json()
+        except ValueError:
+            body = {}
+        error = body.get("error") if isinstance(body, dict) else None
+        return {"replica": replica, "status": response.status_code, "at_s": round(self.now(), 3),
+                "took_s": round(self.loop.time() - started, 3),
+                "code": error.get("code") if isinstance(error, dict) else None,
+                # the admin API's one error shape: {"error": {"status", "code", "message", "detail"}}
+                "error_shape": isinstance(error, dict) and {"status", "code", "message", "detail"} <= set(error)
+                and error["status"] == response.status_code,
+                "message": error.get("message") if isinstance(error, dict) else None}
+
+    async def _pinned(self, replica: str) -> int | None:
+        url = f"{self._replica_urls()[replica]}/v1/endpoints/{self.target_worker}"
+        response = await self.client.get(url, headers=self._admin())
+        response.raise_for_status()
+        pinned = response.json()["weight"]["pinned"]
+        return None if pinned is None else int(pinned)
+
+    async def inject_postgres_down(self) -> None:
+        assert self.setup.postgres is not None
+        self.mutations: list[dict[str, Any]] = []
+        self.refused: set[str] = set()
+        await self.setup.postgres.shutdown_immediately()
+
+    async def reacted_postgres_down(self) -> bool:
+        """Each replica refused a pin with 503 ``store_unavailable`` (each is asked until it has)."""
+        for replica in sorted(set(self._replica_urls()) - self.refused):
+            answer = await self._mutate(replica, PIN_WHILE_DOWN)
+            self.mutations.append(answer)
+            if answer["status"] == 503 and answer["code"] == "store_unavailable" and answer["error_shape"]:
+                self.refused.add(replica)
+        return self.refused == set(self._replica_urls())
+
+    async def hold_postgres_down(self, reacted: float) -> dict[str, Any]:
+        """Keep it down while the baseline's count of requests is answered; then each replica is asked once
+        more, and neither shows the refused pin."""
+        await self.wait(lambda: self._any_answered(self.plan.baseline, reacted), self.plan.react_timeout_s, "hold")
+        for replica in sorted(self._replica_urls()):
+            self.mutations.append(await self._mutate(replica, PIN_WHILE_DOWN))
+        held = self.timeline.since(reacted)
+        return {"held_s": round(self.now() - reacted, 3),
+                "statuses_while_held": dict(Counter(str(a.status) for a in held)),
+                "picked_while_held": sum(ENDPOINT_HEADER in a.headers for a in held),
+                "pinned_while_down": {r: await self._pinned(r) for r in sorted(self._replica_urls())}}
+
+    async def restore_postgres_down(self) -> None:
+        assert self.setup.postgres is not None
+        self.restored_at = self.now()
+        self.converging: list[dict[str, Any]] = []  # the pins through B until one is saved
+        await self.setup.postgres.start()  # same data directory and port: crash recovery, every row kept
+
+    async def back_postgres_down(self) -> bool:
+        """A pin through replica B saved, shown by replica A and applied by A's Envoy; ext_proc picks again
+        and every worker is healthy."""
+        if not any(m["status"] == 200 for m in self.converging):
+            self.converging.append(await self._mutate("b", PIN_WHEN_BACK))
+            if self.converging[-1]["status"] != 200:
+                return False
+        if await self._pinned("a") != PIN_WHEN_BACK:
+            return False
+        if host_weight(await self.clusters(), self.target) != PIN_WHEN_BACK:
+            return False
+        picked = any(ENDPOINT_HEADER in a.headers for a in self.timeline.succeeded_since(self.restored_at))
+        return picked and await self.every_worker_healthy()
+
+    async def figures_postgres_down(self) -> dict[str, Any]:
+        return {"mutations_while_down": list(getattr(self, "mutations", [])),
+                "mutations_converging": list(getattr(self, "converging", [])),
+                "pinned_after": {r: await self._pinned(r) for r in sorted(self._replica_urls())}}
 
 
 def _since(t: float | None, origin: float) -> float | None:
