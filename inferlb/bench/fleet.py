@@ -1,4 +1,5 @@
-"""The emulated fleet: one ``python -m workers --simulate`` per ``scenario.fleet`` worker.
+"""The fleet: one ``python -m workers --simulate`` per ``scenario.fleet`` worker (or, for a
+``kind = "onnx"`` fleet, one real worker: ``real_fleet.py``).
 
 Each configuration gets a fresh fleet (empty queues, same ports in the same
 order, same speeds), so no configuration inherits another's backlog. The
@@ -65,17 +66,34 @@ def worker_argv(fleet: Fleet, worker: int, port: int, python: str = sys.executab
 
 
 def fleet_components(fleet: Fleet, layout: FleetLayout, log_dir: Path, data_dir: Path,
-                     python: str = sys.executable, env: Mapping[str, str] | None = None) -> list[Component]:
-    """One component per worker; ``env`` adds to every worker's environment (e.g. its cache setting)."""
+                     python: str = sys.executable, env: Mapping[str, str] | None = None,
+                     models_dir: Path | None = None) -> list[Component]:
+    """One component per worker; ``env`` adds to every worker's environment (e.g. its cache setting).
+    Real workers (``fleet.kind == "onnx"``) read the prepared models from ``models_dir`` (default: the
+    bench's own ``$INFERLB_DATA_DIR``, ``make model``)."""
     if len(layout.ports) != len(fleet.workers):
         raise ValueError(f"{len(fleet.workers)} workers but {len(layout.ports)} ports")
     env = child_env({"INFERLB_DATA_DIR": str(data_dir), **(env or {})})
+    if fleet.kind == "onnx":
+        from workers.config import default_data_dir
+
+        from .real_fleet import real_worker_argv
+
+        models = models_dir or default_data_dir()
+        argvs = [real_worker_argv(fleet, i, HOST, port, models, python) for i, port in enumerate(layout.ports)]
+    else:
+        argvs = [worker_argv(fleet, i, port, python) for i, port in enumerate(layout.ports)]
     return [
-        Component(name=f"worker:{port}", argv=worker_argv(fleet, i, port, python),
+        Component(name=worker_name(port), argv=argv,
                   ready_url=f"http://{HOST}:{port}/readyz", log_path=log_dir / f"worker-{port}.log", env=env,
-                  ready_timeout_s=60.0, group=FLEET_GROUP)
-        for i, port in enumerate(layout.ports)
+                  ready_timeout_s=60.0 if fleet.kind == "emulated" else 180.0, group=FLEET_GROUP)
+        for port, argv in zip(layout.ports, argvs)
     ]
+
+
+def worker_name(port: int) -> str:
+    """The component name of the worker on ``port``."""
+    return f"worker:{port}"
 
 
 def outstanding(metrics_text: str) -> float:

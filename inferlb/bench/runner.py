@@ -15,13 +15,19 @@ measured first under ``inferlb_ext_proc`` (``capacity.py``). Host CPU is
 sampled over every run and recorded in ``RunResult.extra``: a saturated host
 would measure the host, not the balancer.
 
+A fleet of real ONNX workers (``[fleet] kind = "onnx"``) is calibrated first:
+each worker kind's cost curve is measured alone (``real_fleet_calibration.py``),
+and the sum of the workers' throughputs is where the capacity search starts.
+Workers with a ``cpu_quota`` run in cgroups made for the run (``cpu_quota.py``).
+
 Everything started is stopped on the way out (``ProcessGroup``), on errors and
-on Ctrl-C alike; the children also die with the bench (PDEATHSIG).
+on Ctrl-C alike; the children also die with the bench (PDEATHSIG); every cgroup made is removed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import httpx
 import psutil
@@ -39,17 +45,23 @@ from ..components import which_envoy
 from .capacity import Probe, capacity_from_probes, next_probe_rps, theoretical_capacity_rps
 from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
 from .dataplanes.launch import DataPlaneError, pick_decisions, start_data_plane
-from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set_speed
+from .cpu_quota import CpuQuotas
+from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set_speed, worker_name
 from .processes import ComponentDied, ProcessGroup, free_port
 from .results import RunResult
 from .scenario import PICK_PREFIX, Scenario, known_configuration
 from .table import TARGET_LOAD, render_markdown
+
+if TYPE_CHECKING:
+    from .real_fleet_calibration import Calibration
 
 CAPACITY_CONFIGURATION = "inferlb_ext_proc"
 PROBE_DURATION_S = 8.0
 PROBE_WARMUP_S = 2.0
 MAX_PROBES = 7
 IDLE_EXTRA_S = 10.0  # beyond the request timeout, the longest a fleet may take to drain between runs
+REAL_START_S = 20.0  # a real fleet's start-up (models loading on shared cores) in the time estimate
+CALIBRATION_S = {"full": 25.0, "quick": 8.0}  # per worker kind, in the time estimate
 
 Report = Callable[[str], None]
 
@@ -106,9 +118,14 @@ def plan_configurations(scenario: Scenario, only: Sequence[str] | None = None,
 def estimate_seconds(scenario: Scenario, plans: Sequence[ConfigurationPlan], start_s: float = 10.0) -> float:
     """A rough wall-time budget: each run, a start-up per configuration, and the capacity search."""
     per_run = scenario.warmup_s + scenario.duration_s + 1.0
+    real = scenario.fleet.kind == "onnx"
+    start_s = max(start_s, REAL_START_S) if real else start_s
     total = sum(start_s + len(p.runs) * per_run for p in plans)
     if scenario.capacity_rps == 0:
         total += start_s + MAX_PROBES * (min(PROBE_DURATION_S, scenario.duration_s) + PROBE_WARMUP_S + 1.0)
+    if real:
+        kinds = len({w.kind for w in scenario.fleet.workers})
+        total += kinds * CALIBRATION_S[scenario.fleet.calibration]
     return total
 
 
@@ -167,11 +184,13 @@ class BenchOutcome:
     results: list[RunResult] = field(default_factory=list)
     failures: list[dict[str, str]] = field(default_factory=list)
     wall_s: float = 0.0
+    calibration: Calibration | None = None  # a real fleet's measured cost curves
 
     def to_json(self) -> dict[str, Any]:
         return {
             "scenario": dataclasses.asdict(self.scenario),
             "capacity": self.capacity,
+            **({"calibration": self.calibration.to_json()} if self.calibration is not None else {}),
             "results": [r.to_json() for r in self.results],
             "failures": self.failures,
             "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
@@ -192,6 +211,8 @@ class ScenarioRunner:
         self._log = out_dir / "logs" / "bench.log"
         self.envoy = find_envoy()
         self.worker_env: dict[str, str] = {}  # added to every worker's environment
+        self.quotas: CpuQuotas | None = None  # a real fleet's cgroups, for the length of ``run``
+        self.calibration: Calibration | None = None
 
     @staticmethod
     def _distinct_ports(n: int) -> list[int]:
@@ -231,8 +252,15 @@ class ScenarioRunner:
     async def _start(self, group: ProcessGroup, plan: DataPlanePlan, client: httpx.AsyncClient) -> None:
         workdir = self.out_dir / "runs" / _slug(plan.configuration)
         started = time.monotonic()
-        await group.start(fleet_components(self.scenario.fleet, self.layout, workdir / "logs",
+        fleet = self.scenario.fleet
+        await group.start(fleet_components(fleet, self.layout, workdir / "logs",
                                            workdir / "worker-data", env=self.worker_env))
+        if fleet.kind == "onnx":
+            from .real_fleet import place_workers
+
+            names = {i: worker_name(port) for i, port in enumerate(self.layout.ports)}
+            for line in place_workers(self.quotas, fleet, group, names):
+                self._log_line(line)
         await start_data_plane(plan, group, client, self.layout.ids)
         self.report(f"  ready in {time.monotonic() - started:.1f}s: fleet of {len(self.layout.ports)} + "
                     f"{plan.configuration} at {plan.url}")
@@ -286,6 +314,10 @@ class ScenarioRunner:
         extra: dict[str, Any] = {**plan.notes, **usage, "idle_before": idle, "seed": s.seed,
                                  "cost_scale": s.fleet.cost_scale,
                                  "worker_speeds": {w: spec.speed for w, spec in zip(self.layout.ids, s.fleet.workers)}}
+        if self.calibration is not None:  # a real fleet: speeds as measured, relative to the fastest kind
+            extra["worker_speeds"] = dict(zip(self.layout.ids, self.calibration.relative_speeds()))
+            extra["worker_kinds"] = dict(zip(self.layout.ids, self.calibration.worker_kinds))
+            extra["cpu_quota"] = self.calibration.cpu_quota
         if after:
             extra["pick_decisions"] = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
         if slowdown is not None:
@@ -319,7 +351,8 @@ class ScenarioRunner:
 
     async def find_capacity(self, client: httpx.AsyncClient) -> dict[str, Any]:
         s = self.scenario
-        theoretical = theoretical_capacity_rps(s)
+        theoretical = (self.calibration.capacity_rps if self.calibration is not None
+                       else theoretical_capacity_rps(s))
         if s.capacity_rps > 0:
             return {"rps": s.capacity_rps, "source": "scenario", "theoretical_rps": round(theoretical, 2)}
         self.report(f"capacity search under {CAPACITY_CONFIGURATION} (theoretical {theoretical:.1f} req/s, "
@@ -350,9 +383,28 @@ class ScenarioRunner:
     async def run(self) -> BenchOutcome:
         started = time.monotonic()
         self._log.parent.mkdir(parents=True, exist_ok=True)
+        real = self.scenario.fleet.kind == "onnx"
+        with CpuQuotas(report=self.report) if real else contextlib.nullcontext() as quotas:
+            self.quotas = quotas
+            try:
+                if real:
+                    await self._calibrate()
+                return await self._run_all(started)
+            finally:
+                self.quotas = None
+
+    async def _calibrate(self) -> None:
+        """A real fleet's cost curves, printed and kept for the results."""
+        from .real_fleet_calibration import calibrate, render_markdown as render_curves
+
+        self.calibration = await calibrate(self.scenario, self.quotas, self.out_dir / "logs" / "calibration",
+                                           quick=self.scenario.fleet.calibration == "quick", report=self.report)
+        self.report(render_curves(self.calibration))
+
+    async def _run_all(self, started: float) -> BenchOutcome:
         async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
             capacity = await self.find_capacity(client)
-            outcome = BenchOutcome(self.scenario, float(capacity["rps"]), capacity)
+            outcome = BenchOutcome(self.scenario, float(capacity["rps"]), capacity, calibration=self.calibration)
             total = sum(len(p.runs) for p in self.plans)
             done = 0
             for index, cplan in enumerate(self.plans, 1):
@@ -388,8 +440,15 @@ class ScenarioRunner:
 
     def table(self, outcome: BenchOutcome) -> str:
         note = outcome.capacity.get("source", "")
-        return render_markdown(outcome.results, title=f"inferlb bench: scenario {self.scenario.name}",
+        text = render_markdown(outcome.results, title=f"inferlb bench: scenario {self.scenario.name}",
                                capacity_rps=outcome.capacity_rps, capacity_note=note)
+        if outcome.calibration is None:
+            return text
+        from .real_fleet_calibration import render_markdown as render_curves
+        from .real_fleet_report import best_peer_lines
+
+        return "\n".join([text, "## Cost curves (real workers)", "", render_curves(outcome.calibration),
+                          *best_peer_lines(outcome.results)]) + "\n"
 
 
 def write_plots(results: Sequence[RunResult], out_dir: Path) -> list[Path]:

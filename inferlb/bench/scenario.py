@@ -97,10 +97,27 @@ class Workload:
     repeat_zipf_s: float = 1.1
 
 
+PRECISIONS = ("int8", "fp32")
+FLEET_KINDS = ("emulated", "onnx")
+MIN_CPU_QUOTA = 0.01  # of a core: the kernel's floor is a 1 ms quota per 100 ms period
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
+    """One worker. ``speed`` and ``slots`` shape an emulated worker; ``precision``, ``threads`` and
+    ``cpu_quota`` (a fraction of a core through a cgroup, 0: none) a real ONNX one (``[fleet] kind = "onnx"``),
+    whose ``speed`` only tells ``inferlb sim`` roughly how fast it is (the live bench measures it)."""
+
     speed: float = 1.0
     slots: int = 1  # requests served at once; the rest queue FIFO
+    precision: str = "int8"
+    threads: int = 1
+    cpu_quota: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        """A real worker's label, e.g. ``int8 1t`` or ``int8 1t q0.3``: workers of one kind share a cost curve."""
+        return f"{self.precision} {self.threads}t" + (f" q{self.cpu_quota:g}" if self.cpu_quota else "")
 
 
 DEFAULT_SPEEDS = (1.0, 1.0, 1.0, 1.0, 0.5, 0.5, 0.25, 0.25)
@@ -141,7 +158,13 @@ def expand_groups(groups: tuple[WorkerGroup, ...], repeat: int = 1, where: str =
 
 @dataclass(frozen=True)
 class Fleet:
+    """``kind = "emulated"``: ``python -m workers --simulate`` on the cost curve below. ``kind = "onnx"``:
+    real workers running the model (each worker's precision, threads and CPU quota); the curve is then
+    measured by the bench (``real_fleet_calibration.py``), and these cost fields are not used."""
+
     workers: tuple[WorkerSpec, ...] = tuple(WorkerSpec(s) for s in DEFAULT_SPEEDS)
+    kind: str = "emulated"
+    calibration: str = "full"  # a real fleet's cost-curve sweep: "full" (~25 s per kind) or "quick" (~8 s)
     fixed_s: float = MODEL_FIXED_S
     per_token_s: float = MODEL_PER_TOKEN_S
     cost_scale: float = 4.0
@@ -213,6 +236,7 @@ def _validate(s: Scenario) -> None:
     need(len(s.fleet.workers) >= 1, "fleet.workers needs at least one worker")
     need(len(s.fleet.workers) <= MAX_WORKERS, f"fleet.workers: at most {MAX_WORKERS:,} workers")
     need(all(w.speed > 0 and w.slots >= 1 for w in s.fleet.workers), "every worker needs speed > 0 and slots >= 1")
+    _validate_real_fleet(s)
     need(s.fleet.cost_scale > 0 and s.fleet.fixed_s >= 0 and s.fleet.per_token_s >= 0,
          "fleet.cost_scale must be > 0 and the costs >= 0")
     mix = s.workload.mix
@@ -240,6 +264,36 @@ def _validate(s: Scenario) -> None:
         need(s.slowdown.duration_s >= 0, "slowdown.duration_s must be >= 0 (0: slow until the run ends)")
     need(s.scrape_interval_s > 0 and s.ext_proc_replicas >= 1, "scrape_interval_s > 0, ext_proc_replicas >= 1")
     need(s.hop_overhead_s >= 0 and s.ext_proc_overhead_s >= 0, "hop_overhead_s and ext_proc_overhead_s must be >= 0")
+
+
+def _validate_real_fleet(s: Scenario) -> None:
+    """Real-worker fields: only on an ``onnx`` fleet, in range; no slowdown (a real worker has no speed knob)."""
+    fleet = s.fleet
+    if fleet.kind not in FLEET_KINDS:
+        raise ScenarioError(f"fleet.kind must be one of {', '.join(FLEET_KINDS)}, got {fleet.kind!r}")
+    default = WorkerSpec()
+    for i, w in enumerate(fleet.workers):
+        at = f"fleet.workers[{i}]"
+        if fleet.kind == "emulated":
+            for name in ("precision", "threads", "cpu_quota"):
+                if getattr(w, name) != getattr(default, name):
+                    raise ScenarioError(f"{at}.{name} is for real workers: set fleet.kind = \"onnx\"")
+            continue
+        if w.precision not in PRECISIONS:
+            raise ScenarioError(f"{at}.precision must be one of {', '.join(PRECISIONS)}, got {w.precision!r}")
+        if isinstance(w.threads, bool) or not isinstance(w.threads, int) or not 1 <= w.threads <= 64:
+            raise ScenarioError(f"{at}.threads must be an integer in [1, 64], got {w.threads!r}")
+        if not (w.cpu_quota == 0 or MIN_CPU_QUOTA <= w.cpu_quota <= 64):
+            raise ScenarioError(f"{at}.cpu_quota is a fraction of a core in [{MIN_CPU_QUOTA}, 64] (0: no quota), "
+                                f"got {w.cpu_quota!r}")
+        if w.slots != 1:
+            raise ScenarioError(f"{at}.slots is for emulated workers; a real worker batches (set precision, "
+                                "threads, cpu_quota)")
+    if fleet.calibration not in ("full", "quick"):
+        raise ScenarioError(f"fleet.calibration must be 'full' or 'quick', got {fleet.calibration!r}")
+    if fleet.kind == "onnx" and s.slowdown is not None:
+        raise ScenarioError("slowdown needs an emulated fleet (a real worker has no speed to change): "
+                            "set slowdown = false")
 
 
 def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
