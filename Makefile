@@ -17,7 +17,7 @@ export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 # again, last, at the version pip resolved (tests/test_tracing.py checks the installed one is complete).
 OTEL_PROTO_VERSION := import importlib.metadata as m; print(m.version('opentelemetry-proto'))
 
-.PHONY: up test venv model system-deps apt-install bench bench-routing clean help
+.PHONY: up test venv model system-deps apt-install bench bench-routing soak clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -66,6 +66,10 @@ bench-routing: venv system-deps  ## routing benchmark: live scenario run, simula
 	$(VENV)/bin/inferlb bench run --scenario scenarios/default.toml --out docs/bench/routing --no-progress
 	$(VENV)/bin/inferlb sim --validate docs/bench/routing/results.json --json docs/bench/routing/sim_validation.json --no-progress
 	$(VENV)/bin/inferlb sim --scenario scenarios/sim_scale.toml --summary docs/bench/sim_scale.json --no-progress
+
+# The soak (issue 20): 10 minutes on the real stack (simulated workers) at 60% of the fleet's capacity; not in CI.
+soak: venv  ## soak: 10 min at 60% load; zero errors, flat RSS, connections, metric series, outstanding work
+	$(VENV)/bin/inferlb bench soak --json docs/bench/soak.json
 
 clean:  ## remove .venv and the data directory
 	rm -rf $(VENV) $(INFERLB_DATA_DIR)

@@ -8,7 +8,8 @@ workers full of the largest ones, per worker scheduling option) in ``hogs.py``; 
 fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in ``fair.py``; ``inferlb bench
 autoscale`` (issue 15's elastic pool under a load step) in ``autoscale.py``; ``inferlb bench rollout`` (issue 15's
 canary split and rollback speed) in ``rollout.py``; ``inferlb bench faults`` (issue 20's faults under load) in
-``faults.py``; ``inferlb bench cache`` (issue 16's response cache, off and on,
+``faults.py``; ``inferlb bench soak`` (issue 20's soak: steady load, flat memory, connections and
+accounting) in ``soak.py``; ``inferlb bench cache`` (issue 16's response cache, off and on,
 under repeated inputs) in ``cache.py``; the component
 benchmarks ``inferlb bench worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
 ``ext_proc_bench/``, ``quota`` (a tenant's key lookup and quota check) in
@@ -33,6 +34,7 @@ from . import (
     quota_bench,
     rollout,
     run_command,
+    soak,
     worker_bench,
 )
 from .ext_proc_bench import command as ext_proc_command
@@ -81,6 +83,11 @@ def add_bench_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
                                 description=faults.DESCRIPTION)
     faults.add_arguments(fault)
     fault.set_defaults(func=faults.main)
+    soaked = commands.add_parser("soak", help="10 minutes at 60%% of capacity: zero errors; flat RSS, descriptors, "
+                                 "connections, metric series and outstanding work in every process",
+                                 description=soak.DESCRIPTION)
+    soak.add_arguments(soaked)
+    soaked.set_defaults(func=soak.main)
     hog = commands.add_parser("hogs", help="one-sentence requests while every worker holds the largest requests",
                               description=hogs.DESCRIPTION)
     hogs.add_arguments(hog)
