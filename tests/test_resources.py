@@ -538,10 +538,31 @@ def test_caches_do_not_change_the_bytes() -> None:
     changed = replace(state, endpoints=tuple(endpoints))
     assert [encode_load_assignment(changed, ext_proc=x, memo=m) for x, m in zip((False, True), memos)] == \
         [encode_load_assignment(changed, ext_proc=x) for x in (False, True)]
-    for cached in (eds._lean_entry, eds._rich_entry, eds._rich_metadata, eds._base_entries,
-                   eds._telemetry_runs, eds._lb_address):
+    for cached in (eds._lean_entry, eds._lb_address):
         cached.cache_clear()
     assert [encode_load_assignment(state, ext_proc=x) for x in (False, True)] == warm
+
+
+def test_the_memo_keeps_only_what_the_last_build_used() -> None:
+    """Telemetry and computed weights take new values at every scrape: the memo's parts follow the fleet's
+    size, not the number of scrapes (an LRU over past values grew the control plane's RSS in the soak)."""
+    state = fleet()
+    memo = resources.EndpointMemo()
+    for scrape in range(50):
+        endpoints = tuple(replace(e, computed_weight=10 + scrape, telemetry=replace(TELEMETRY, rps=float(scrape)))
+                          for e in state.endpoints)
+        changed = replace(state, endpoints=endpoints)
+        assert encode_load_assignment(changed, ext_proc=True, memo=memo) == encode_load_assignment(changed, ext_proc=True)
+        parts = memo._parts
+        assert len(parts.base) <= len(endpoints) and len(parts.telemetry) <= len(endpoints)
+    # an unchanged endpoint keeps its parts; a weight-only change then reuses its telemetry runs
+    assert encode_load_assignment(changed, ext_proc=True, memo=memo) == encode_load_assignment(changed, ext_proc=True)
+    kept = dict(memo._parts.telemetry)
+    assert kept
+    reweighted = replace(changed, endpoints=tuple(replace(e, computed_weight=99) for e in changed.endpoints))
+    assert encode_load_assignment(reweighted, ext_proc=True, memo=memo) == \
+        encode_load_assignment(reweighted, ext_proc=True)
+    assert all(memo._parts.telemetry[text] is runs for text, runs in kept.items())
 
 
 # --- the snapshot --------------------------------------------------------------------------------
