@@ -167,6 +167,12 @@ def test_bad_rollouts_are_refused_saying_why_and_change_nothing(admin: Admin) ->
         error = assert_error(admin.call("PUT", path, json=body), 422, "validation_error")
         assert fragment in error["message"] + str(error["detail"]), (body, error)
     assert_error(admin.call("PUT", "/v1/rollouts/bad%20alias", json=CANARY), 422, "validation_error")
+    # control characters in the alias, a newline too (it used to match no route: a bare 404)
+    for alias in ("a%0Ab", "a%0Db", "x%0A", "a%00b", "a/%0A/b"):
+        for method, suffix in (("PUT", ""), ("GET", ""), ("DELETE", ""), ("POST", "/rollback")):
+            error = assert_error(admin.call(method, f"/v1/rollouts/{alias}{suffix}", json=CANARY), 422,
+                                 "validation_error")
+            assert "pattern" in str(error["detail"]), (method, alias, error)
     assert_error(admin.call("PUT", path, content=b"{not json", headers={"content-type": "application/json"}), 400,
                  "invalid_json")
     typo = assert_error(admin.call("PUT", path, json={"versions": {INT8: 90, "all-MiniLM-L6-v2-f32": 10}}), 409,
