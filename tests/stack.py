@@ -35,6 +35,8 @@ from inferlb.bootstrap import render_bootstrap
 from inferlb.components import which_envoy
 from inferlb_runtime.hostport import authority, endpoint_id
 
+from inferlb.bench.processes import free_ports
+
 from .conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,10 +238,11 @@ def running_control_plane(
     port, so Envoy's ext_proc filter fails open and routes on the weights.
     ``module``: another entry point with the same command line (a test's fault-injecting wrapper).
     """
-    xds_port = xds_port or free_port()
-    admin_port = admin_port or free_port()
-    listener_port = listener_port or free_port()
-    ext_proc_port = ext_proc_port or free_port()
+    spare = free_ports(4)  # distinct: none of them is bound until the processes start
+    xds_port = xds_port or spare[0]
+    admin_port = admin_port or spare[1]
+    listener_port = listener_port or spare[2]
+    ext_proc_port = ext_proc_port or spare[3]
     data_dir = data_dir or log_dir / "control-plane-data"
     argv = [sys.executable, "-m", module, "--xds-port", str(xds_port), "--admin-port", str(admin_port),
             "--scrape-interval", str(scrape_interval_s), "--weight-policy", weight_policy,
@@ -554,10 +557,12 @@ def running_gateway(log_dir: Path, *, workers: int = 1, worker_args: Sequence[st
                     ext_proc_env: Mapping[str, str] | None = None) -> Iterator[Gateway]:
     """Everything started in readiness order on free ports and stopped in reverse, even on failure; ready
     once Envoy sees every worker healthy. ``name`` tells the Envoy's and ext_proc's node ids apart in logs."""
-    ext_proc_port = free_port()
     with ExitStack() as stack:
         sims = stack.enter_context(running_sim_workers(log_dir, workers, args=worker_args))
-        cp = stack.enter_context(running_control_plane(log_dir, endpoints=[w.id for w in sims],
+        # the control plane's ports and ext_proc's chosen together, so ext_proc's is none of the others
+        xds_port, admin_port, listener_port, ext_proc_port = free_ports(4)
+        cp = stack.enter_context(running_control_plane(log_dir, endpoints=[w.id for w in sims], xds_port=xds_port,
+                                                       admin_port=admin_port, listener_port=listener_port,
                                                        ext_proc_port=ext_proc_port, env=cp_env))
         ext_proc = stack.enter_context(running_ext_proc(log_dir, xds_port=cp.xds_port, port=ext_proc_port,
                                                         node_id=f"ext-proc-{name}", env=ext_proc_env))

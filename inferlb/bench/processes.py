@@ -11,6 +11,7 @@ quietly replaced, since a restarted worker would have fresh queues.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from types import TracebackType
@@ -21,9 +22,19 @@ from ..supervisor import Component, Running, Supervisor
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the kernel just handed out on ``host`` (IPv6 when it holds a colon), free at the time of asking."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct free ports: held all at once while asked for, so that ports chosen together before
+    anything binds them never repeat (one at a time, the kernel may hand the same one out twice)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+            s.bind((host, 0))
+            ports.append(int(s.getsockname()[1]))
+        return ports
 
 
 class ComponentDied(RuntimeError):
