@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from .model import SLOTS_KEY, Candidate, EndpointView, RequestView
+from .model import Candidate, EndpointView, RequestView
 from .outstanding import Outstanding
 
 ORCA_INFLIGHT_KEY = "named_metrics.inflight"
@@ -166,8 +166,9 @@ class Costing:
                 if foreign > 0:
                     outstanding_s += foreign * predict(endpoint_id, mean_tokens, telemetry)
                     there += foreign
-            if SLOTS_KEY in telemetry:
-                outstanding_s = slot_wait_s(outstanding_s, there, e.slots)
+            slots = e.slots
+            if slots > 1.0:
+                outstanding_s = slot_wait_s(outstanding_s, there, slots)
             candidates.append(Candidate(e, predict(endpoint_id, tokens, telemetry, version), outstanding_s, requests,
                                         load.tokens))
         return candidates

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb_runtime.pick_chain import DEFAULT_PICK_POLICY
 from inferlb_runtime.request_class import Priority
 
 from .classes import class_headers, trace_classes
 from .dataplanes import DataPlanePlan
+from .exposition import sums_by_label
 from .gateway_log import log_size, wait_for_answers
 from .loadgen import LoadOutcome, run_load
 from .overload_report import run_figures
@@ -64,21 +64,19 @@ class OverloadRunner(ScenarioRunner):
             await asyncio.sleep(0.1)
 
     @staticmethod
-    async def _switches(client: httpx.AsyncClient, plan: DataPlanePlan) -> float:
+    async def _ext_proc_sums(client: httpx.AsyncClient, plan: DataPlanePlan, name: str,
+                             label: str) -> dict[str, float]:
         text = (await client.get(f"{plan.ext_proc_metrics_url}/metrics")).text
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name == "inferlb_ext_proc_policy_switches_total" and s.labels.get("result") == "switched")
+        return sums_by_label(text, name, label)
 
-    @staticmethod
-    async def _sheds(client: httpx.AsyncClient, plan: DataPlanePlan) -> dict[str, float]:
+    async def _switches(self, client: httpx.AsyncClient, plan: DataPlanePlan) -> float:
+        sums = await self._ext_proc_sums(client, plan, "inferlb_ext_proc_policy_switches_total", "result")
+        return sums.get("switched", 0.0)
+
+    async def _sheds(self, client: httpx.AsyncClient, plan: DataPlanePlan) -> dict[str, float]:
         """ext_proc's sheds so far, by the step that judged them (``inferlb_ext_proc_sheds_total{at}``)."""
-        text = (await client.get(f"{plan.ext_proc_metrics_url}/metrics")).text
-        counts = dict.fromkeys(SHED_STAGES, 0.0)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "inferlb_ext_proc_sheds_total" and sample.labels.get("at") in counts:
-                    counts[sample.labels["at"]] += sample.value
-        return counts
+        sums = await self._ext_proc_sums(client, plan, "inferlb_ext_proc_sheds_total", "at")
+        return {at: sums.get(at, 0.0) for at in SHED_STAGES}
 
     @staticmethod
     def _envoy_log(plan: DataPlanePlan) -> Path:

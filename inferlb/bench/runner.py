@@ -27,7 +27,6 @@ on Ctrl-C alike; the children also die with the bench (PDEATHSIG); every cgroup 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
@@ -384,14 +383,15 @@ class ScenarioRunner:
         started = time.monotonic()
         self._log.parent.mkdir(parents=True, exist_ok=True)
         real = self.scenario.fleet.kind == "onnx"
-        with CpuQuotas(report=self.report) if real else contextlib.nullcontext() as quotas:
-            self.quotas = quotas
-            try:
-                if real:
-                    await self._calibrate()
-                return await self._run_all(started)
-            finally:
-                self.quotas = None
+        self.quotas = CpuQuotas(report=self.report).__enter__() if real else None
+        try:
+            if real:
+                await self._calibrate()
+            return await self._run_all(started)
+        finally:
+            quotas, self.quotas = self.quotas, None
+            if quotas is not None:  # removing a group polls the kernel (up to seconds): off the event loop
+                await asyncio.to_thread(quotas.close)
 
     async def _calibrate(self) -> None:
         """A real fleet's cost curves, printed and kept for the results."""

@@ -7,8 +7,8 @@ import time
 from typing import Sequence
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from ..exposition import sums_by_label
 from ..processes import ProcessGroup
 from . import WORKERS_CLUSTER, DataPlanePlan
 
@@ -29,13 +29,8 @@ def healthy_hosts(clusters_text: str, cluster: str = WORKERS_CLUSTER) -> set[str
 
 def pick_decisions(metrics_text: str) -> dict[str, int]:
     """ext_proc's decisions by pick policy (``inferlb_ext_proc_decisions_total{policy,endpoint}``, summed)."""
-    by_policy: dict[str, int] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for s in family.samples:
-            if s.name == "inferlb_ext_proc_decisions_total":
-                policy = s.labels.get("policy", "?")
-                by_policy[policy] = by_policy.get(policy, 0) + int(s.value)
-    return by_policy
+    return {policy: int(n) for policy, n in
+            sums_by_label(metrics_text, "inferlb_ext_proc_decisions_total", "policy").items()}
 
 
 async def _check_config(argv: Sequence[str], configuration: str) -> None:
