@@ -75,6 +75,7 @@ def _free_consecutive_ports(count: int) -> int:
     """The first of ``count`` consecutive free ports (workers get --base-port, +1, ...)."""
     def bindable(port: int) -> bool:
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the workers bind (free_port reserves p)
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:

@@ -209,21 +209,17 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
     from .dataplanes.launch import start_data_plane
     from .fleet import HOST
     from .loadgen import run_load
-    from .processes import ProcessGroup, free_port
+    from .processes import ProcessGroup, free_ports
     from .runner import find_envoy
     from .texts import embeddings_body
     from .trace import Trace
 
     workdir = out / scheduling
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
-    ports: list[int] = []
-    while len(ports) < plan.workers:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
+    ports = free_ports(plan.workers)
     urls = [f"http://{HOST}:{port}" for port in ports]
     data_plane = plan_data_plane("inferlb_ext_proc", endpoints=[(HOST, p) for p in ports], workdir=workdir,
-                                 ports=DataPlanePorts.allocate(free_port), request_timeout_s=plan.timeout_s,
+                                 ports=DataPlanePorts.allocate(), request_timeout_s=plan.timeout_s,
                                  envoy=find_envoy())
     hog_body = embeddings_body(plan.hog_tokens, 0, inputs=plan.hog_inputs)
     n = plan.sentences

@@ -17,21 +17,31 @@ import time
 from types import TracebackType
 from typing import Callable, Sequence
 
+import ephemeral_port_reserve
+
 from ..supervisor import Component, Running, Supervisor
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel just handed out on ``host`` (IPv6 when it holds a colon), free at the time of asking."""
+    """A free port on ``host``, reserved for a minute; see ``free_ports``."""
     return free_ports(1, host)[0]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct free ports: held all at once while asked for, so that ports chosen together before
-    anything binds them never repeat (one at a time, the kernel may hand the same one out twice)."""
+    """``count`` distinct free ports on ``host``, each reserved for about a minute (ephemeral-port-reserve):
+    left in TIME_WAIT, so the kernel hands it to no other bind(0) or outgoing connection meanwhile, while the
+    server it is meant for still binds it (with SO_REUSEADDR, as Envoy, gRPC, asyncio, nginx, Redis and
+    PostgreSQL do). A port merely bound and released was sometimes handed out again before its server bound
+    it, and two processes of one stack met on one port (issue 20's fresh-clone runs).
+
+    IPv6 (``host`` holds a colon; the library is IPv4 only): the ports are held all at once while asked for,
+    so they are distinct, but not reserved afterwards."""
+    if ":" not in host:
+        return [ephemeral_port_reserve.reserve(host) for _ in range(count)]
     with contextlib.ExitStack() as stack:
         ports = []
         for _ in range(count):
-            s = stack.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+            s = stack.enter_context(socket.socket(socket.AF_INET6))
             s.bind((host, 0))
             ports.append(int(s.getsockname()[1]))
         return ports

@@ -71,7 +71,7 @@ async def start_quota_stack(group: ProcessGroup, client: httpx.AsyncClient, work
 
     logs = work_dir / "logs"
     worker_port = free_port()
-    ports = DataPlanePorts.allocate(free_port)
+    ports = DataPlanePorts.allocate()
     plan = plan_data_plane("inferlb_ext_proc", endpoints=[(HOST, worker_port)], workdir=work_dir / "stack",
                            ports=ports, request_timeout_s=60.0, envoy="envoy")
     for directory in (logs, *plan.directories):

@@ -46,7 +46,7 @@ from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
 from .dataplanes.launch import DataPlaneError, pick_decisions, start_data_plane
 from .cpu_quota import CpuQuotas
 from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set_speed, worker_name
-from .processes import ComponentDied, ProcessGroup, free_port
+from .processes import ComponentDied, ProcessGroup, free_ports
 from .results import RunResult
 from .scenario import PICK_PREFIX, Scenario, known_configuration
 from .table import TARGET_LOAD, render_markdown
@@ -205,22 +205,13 @@ class ScenarioRunner:
         self.plans = list(plans)
         self.progress = progress
         self.report = report
-        self.layout = FleetLayout(tuple(self._distinct_ports(len(scenario.fleet.workers))))
+        self.layout = FleetLayout(tuple(free_ports(len(scenario.fleet.workers))))
         self._traces: dict[tuple[float, float, float], tuple[Any, list[bytes]]] = {}
         self._log = out_dir / "logs" / "bench.log"
         self.envoy = find_envoy()
         self.worker_env: dict[str, str] = {}  # added to every worker's environment
         self.quotas: CpuQuotas | None = None  # a real fleet's cgroups, for the length of ``run``
         self.calibration: Calibration | None = None
-
-    @staticmethod
-    def _distinct_ports(n: int) -> list[int]:
-        ports: list[int] = []
-        while len(ports) < n:
-            port = free_port()
-            if port not in ports:
-                ports.append(port)
-        return ports
 
     def _log_line(self, line: str) -> None:
         with open(self._log, "a") as f:
@@ -245,7 +236,7 @@ class ScenarioRunner:
     def _plan(self, configuration: str) -> DataPlanePlan:
         return plan_data_plane(configuration, endpoints=self.layout.endpoints,
                                workdir=self.out_dir / "runs" / _slug(configuration),
-                               ports=DataPlanePorts.allocate(free_port),
+                               ports=DataPlanePorts.allocate(),
                                request_timeout_s=self.scenario.request_timeout_s, envoy=self.envoy)
 
     async def _start(self, group: ProcessGroup, plan: DataPlanePlan, client: httpx.AsyncClient) -> None:

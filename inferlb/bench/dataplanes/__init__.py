@@ -23,11 +23,12 @@ import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ...bootstrap import render_bootstrap
 from ...supervisor import Component
 from ..fleet import child_env
+from ..processes import free_ports
 
 # ext_proc's gateway cache (issue 16) is on by default in the product; a balancer comparison turns it off,
 # so that each configuration's workers see every request (``inferlb bench cache`` turns it back on).
@@ -52,13 +53,9 @@ class DataPlanePorts:
     ext_proc_metrics: int
 
     @classmethod
-    def allocate(cls, free_port: Callable[[], int]) -> "DataPlanePorts":
-        ports: list[int] = []
-        while len(ports) < 6:  # distinct, even if the allocator hands out a port twice
-            port = free_port()
-            if port not in ports:
-                ports.append(port)
-        return cls(*ports)
+    def allocate(cls) -> "DataPlanePorts":
+        """Six distinct free ports, each reserved until its process binds it (``free_ports``)."""
+        return cls(*free_ports(6))
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ async def start_stack(group: ProcessGroup, client: httpx.AsyncClient, args: Any,
     worker_ids = [f"{HOST}:{p}" for p in ports]
     log(f"[stack] control plane, ext_proc, Envoy (ADS, with the ext_proc filter, to ext_proc over "
         f"{args.transport.upper()}), baseline Envoy (static, without)")
-    dp = DataPlanePorts.allocate(free_port)
+    dp = DataPlanePorts.allocate()
     uds = ext_proc_uds(log_dir)
     plan = plan_data_plane("inferlb_ext_proc", endpoints=endpoints, workdir=log_dir / "stack", ports=dp,
                            request_timeout_s=REQUEST_TIMEOUT_S, envoy=envoy, ext_proc_uds=uds,
