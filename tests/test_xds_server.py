@@ -646,6 +646,26 @@ def test_disconnect_removes_the_client_and_stop_ends_streams() -> None:
     run(scenario)
 
 
+def test_a_second_server_on_a_taken_port_fails_loudly_instead_of_sharing_it() -> None:
+    """gRPC's default SO_REUSEPORT would let a second control plane bind the same port and take half the
+    Envoys' connections; ours refuses it."""
+    async def scenario() -> None:
+        cache = SnapshotCache()
+        cache.set_snapshot("inferlb", snapshot())
+        address = f"127.0.0.1:{free_port()}"
+        server = await serve_xds(cache, address, RecordingMetrics())  # type: ignore[arg-type]
+        try:
+            with pytest.raises(RuntimeError, match="Failed to bind"):
+                second = await serve_xds(SnapshotCache(), address, RecordingMetrics())  # type: ignore[arg-type]
+                await second.stop(None)
+            async with SotwClient(address, "still-first", "inferlb") as client:  # the first server serves on
+                await client.subscribe(CLUSTER)
+                assert (await client.next(CLUSTER)).names == ("workers",)
+        finally:
+            await server.stop(None)
+    run(scenario)
+
+
 # -- delta -----------------------------------------------------------------------------------
 
 

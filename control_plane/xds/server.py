@@ -95,6 +95,9 @@ class XdsServerSettings:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", int(self.min_client_ping_interval_s * 1000)),
+            # gRPC's default is SO_REUSEPORT: a second control plane (or anything else reusing ports) started
+            # on the same port would silently take half the Envoys. Fail loudly instead.
+            ("grpc.so_reuseport", 0),
         ]
 
     def credentials(self) -> grpc.ServerCredentials | None:
