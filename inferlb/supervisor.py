@@ -9,6 +9,7 @@ status file that `inferlb status` reads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -39,6 +40,14 @@ def _die_with_parent() -> None:
 PreStop = Callable[[], Awaitable[None]]
 # A task that runs while the stack is up (e.g. a pool scaler): given the stop event, it returns once it is set.
 Background = Callable[[asyncio.Event], Awaitable[None]]
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a component's log ("" if unreadable): put in an error, so that a CI
+    run's output says why a component failed without its log files."""
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,7 @@ class Supervisor:
             while time.monotonic() < deadline and not self._stopping.is_set():
                 if process.returncode is not None:
                     raise RuntimeError(f"{spec.name} exited with {process.returncode} before it was ready; "
-                                       f"see {spec.log_path}")
+                                       f"see {spec.log_path}, which ends:\n{log_tail(spec.log_path)}")
                 try:
                     if (await client.get(spec.ready_url)).status_code == 200:
                         return
@@ -154,7 +163,8 @@ class Supervisor:
                 except TimeoutError:
                     pass
         if not self._stopping.is_set():
-            raise RuntimeError(f"{spec.name} was not ready after {spec.ready_timeout_s:.0f}s; see {spec.log_path}")
+            raise RuntimeError(f"{spec.name} was not ready after {spec.ready_timeout_s:.0f}s; see {spec.log_path}, "
+                               f"which ends:\n{log_tail(spec.log_path)}")
 
     async def _start(self, spec: Component, restarts: int) -> asyncio.subprocess.Process:
         process = await self.spawn(spec)

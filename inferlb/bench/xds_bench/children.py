@@ -17,19 +17,13 @@ from typing import Any
 import psutil
 
 from ...bootstrap import render_bootstrap
-from ...supervisor import Component
+from ...supervisor import Component, log_tail
 from ..fleet import child_env
 from ..processes import ComponentDied, ProcessGroup, free_port
 from .spec import ENVOY_NODE, Spec
 
 FLEET = "client-fleet"
 ENVOY = "envoy"
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
 
 
 class Children:
@@ -75,7 +69,7 @@ class Children:
             self.group.check_alive()
         except ComponentDied as exc:
             log = self.envoy_log if str(exc).startswith(ENVOY) else self.fleet_log
-            return f"{exc}: {tail(log)}"
+            return f"{exc}: {log_tail(log)}"
         return None
 
     def cpu_seconds(self) -> dict[str, float]:
