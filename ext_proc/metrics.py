@@ -235,7 +235,9 @@ class ExtProcMetrics:
                                        "(429), failed_open / failed_closed (the quota store unreachable or too "
                                        "slow; the configured failure mode decided).", ["result"], registry=r)
         self.quota_store_errors = Counter(f"{PREFIX}quota_store_errors", "Calls to the shared quota store (Redis) "
-                                          "that failed or timed out, by operation.", ["operation"], registry=r)
+                                          "not answered, by operation and why: timeout (slower than the store "
+                                          "timeout), error (refused, reset, a Redis error) or backoff (not tried: "
+                                          "the store failed moments ago).", ["operation", "reason"], registry=r)
         self.quota_store_seconds = Histogram(f"{PREFIX}quota_store_seconds", "Round trips to the shared quota "
                                              "store (Redis).", buckets=STORE_BUCKETS, registry=r)
         for result in ("admitted", "limited", "failed_open", "failed_closed"):
@@ -401,8 +403,8 @@ class ExtProcMetrics:
     def quota_decision(self, result: str) -> None:
         self.quota_decisions.labels(result=result).inc()
 
-    def quota_store_error(self, operation: str) -> None:
-        self.quota_store_errors.labels(operation=operation).inc()
+    def quota_store_error(self, operation: str, reason: str) -> None:
+        self.quota_store_errors.labels(operation=operation, reason=reason).inc()
 
     def quota_store_latency(self, seconds: float) -> None:
         self.quota_store_seconds.observe(seconds)

@@ -128,8 +128,9 @@ class QuotaObserver(Protocol):
     def quota_decision(self, result: str) -> None:
         """One acquire's result: ``admitted``, ``limited``, ``failed_open`` or ``failed_closed``."""
 
-    def quota_store_error(self, operation: str) -> None:
-        """The shared store failed or was too slow for ``operation`` (``acquire`` or ``release``)."""
+    def quota_store_error(self, operation: str, reason: str) -> None:
+        """The shared store did not answer ``operation`` (``acquire`` or ``release``); ``reason``:
+        ``timeout``, ``error`` or ``backoff`` (not tried, it failed moments ago)."""
 
     def quota_store_latency(self, seconds: float) -> None:
         """One round trip to the shared store (only stores with one report it)."""
@@ -141,7 +142,7 @@ class NoQuotaObserver:
     def quota_decision(self, result: str) -> None:
         pass
 
-    def quota_store_error(self, operation: str) -> None:
+    def quota_store_error(self, operation: str, reason: str) -> None:
         pass
 
     def quota_store_latency(self, seconds: float) -> None:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, TimeoutError as RedisTimeout
 
 from inferlb_runtime.api_keys import Quota
 
@@ -238,14 +238,16 @@ class RedisQuotaStore:
     async def _call(self, operation: str, script, keys: list[str], args: tuple) -> list[int] | None:
         """The script's reply, or None when Redis failed, was too slow, or is in its back-off."""
         if time.monotonic() < self._down_until:
-            self._observer.quota_store_error(operation)
+            self._observer.quota_store_error(operation, "backoff")
             return None
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self._timeout_s):
                 reply = await script(keys=keys, args=args)
         except (RedisError, OSError, TimeoutError) as exc:
-            self._observer.quota_store_error(operation)
+            # redis-py's own TimeoutError is a RedisError: the socket timeout, same as ours
+            self._observer.quota_store_error(operation, "timeout" if isinstance(exc, (TimeoutError, RedisTimeout))
+                                             else "error")
             self._down_until = time.monotonic() + self._backoff_s
             # The idle pooled connections are to the Redis that failed: after a restart each would fail
             # once more (and set another back-off, refusing everything when failing closed). Fresh ones then.

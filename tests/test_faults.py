@@ -79,8 +79,11 @@ def test_redis_down_fails_quotas_open_and_breaks_nothing_else(tmp_path: Path) ->
     row = run_fault(tmp_path, "redis_down")
     assert row["reacted_s"] is not None, row  # quota checks failed open
     assert row["failed"] == 0, row  # admitted without their quota; cache lookups in Redis missed
-    # ext_proc picked a worker for every answer its memory cache did not give: routing is untouched
-    assert row["picked_while_held"] + row["cache_hits_while_held"] == row["statuses_while_held"]["200"], row
+    # ext_proc picked a worker for every answer its memory cache did not give (routing is untouched), but
+    # for those Envoy served without it after its message timeout (a stalled host, not Redis: its calls are
+    # bounded by 50 ms; Envoy counts them)
+    unpicked = row["statuses_while_held"]["200"] - row["picked_while_held"] - row["cache_hits_while_held"]
+    assert row["picked_while_held"] > 0 and 0 <= unpicked <= row["ext_proc_timeouts"], row
     assert row["ext_proc_while_held"].get("cache:redis:miss", 0) > 0, row  # the shared cache level missed
 
 
@@ -89,8 +92,12 @@ def test_redis_down_fails_quotas_closed_when_so_configured(tmp_path: Path) -> No
     assert row["reacted_s"] is not None, row
     assert set(row["statuses"]) <= {"200", "503"} and row["statuses"].get("503", 0) > 0, row  # refused, clearly
     assert row["ext_proc_while_held"].get("quota:failed_closed", 0) > 0, row
-    # Once Redis answered again, no request was refused (it was: stale pooled connections, fixed in quota_redis)
-    assert row["failed_after_back"] == 0, row
+    # Once Redis answered again, no call failed on a stale pooled connection (fixed in quota_redis), so no
+    # request was refused; unless a check was slower than the store's 50 ms timeout (a stalled host), which
+    # fails the next half second closed, by design
+    after_back = row["store_unanswered_after_back"]
+    assert "store:error" not in after_back, row
+    assert row["failed_after_back"] == 0 or after_back.get("store:timeout", 0) > 0, row
 
 
 def test_slow_redis_fails_quotas_open_and_breaks_nothing_else(tmp_path: Path) -> None:

@@ -230,7 +230,7 @@ class Recorder:
     def quota_decision(self, result: str) -> None:
         self.decisions[result] += 1
 
-    def quota_store_error(self, operation: str) -> None:
+    def quota_store_error(self, operation: str, reason: str) -> None:
         raise AssertionError("the in-process store never fails")
 
     def quota_store_latency(self, seconds: float) -> None:

@@ -40,13 +40,15 @@ class Recorder:
     def __init__(self) -> None:
         self.decisions: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.reasons: Counter[str] = Counter()
         self.round_trips = 0
 
     def quota_decision(self, result: str) -> None:
         self.decisions[result] += 1
 
-    def quota_store_error(self, operation: str) -> None:
+    def quota_store_error(self, operation: str, reason: str) -> None:
         self.errors[operation] += 1
+        self.reasons[reason] += 1
 
     def quota_store_latency(self, seconds: float) -> None:
         assert seconds >= 0
@@ -265,6 +267,7 @@ def test_redis_stopped_then_restarted(own_redis: RedisServer, mode: str) -> None
     failed = "failed_open" if mode == "open" else "failed_closed"
     assert observer.decisions[failed] >= 1 and observer.decisions["admitted"] >= 2
     assert observer.errors["acquire"] >= 1 and observer.errors["release"] == 1
+    assert observer.reasons["error"] >= 1  # refused: a killed Redis is an error, not a timeout
 
 
 def test_a_hung_redis_times_out_into_the_failure_mode(own_redis: RedisServer) -> None:
@@ -295,6 +298,7 @@ def test_a_hung_redis_times_out_into_the_failure_mode(own_redis: RedisServer) ->
 
     observer = asyncio.run(scenario())
     assert observer.decisions["failed_closed"] >= 1 and observer.errors["acquire"] >= 1
+    assert observer.reasons["timeout"] >= 1  # a hung Redis is a timeout
 
 
 # --- configuration ---------------------------------------------------------------------------------

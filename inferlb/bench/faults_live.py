@@ -35,7 +35,7 @@ from .faults_proxy import DelayProxy
 from .faults_redis import RedisProcess, ThrowawayRedis
 from .fleet import fleet_components
 from .loadgen import WORKER_HEADERS, Answer, run_load
-from .processes import ProcessGroup, free_port
+from .processes import ProcessGroup, free_ports
 from ..supervisor import Component
 from .runner import CAPACITY_CONFIGURATION, Report, ScenarioRunner, _slug
 from .scenario import Fleet, Scenario, WorkerSpec
@@ -50,6 +50,7 @@ FAULTS = ("worker_kill", "worker_stop", "ext_proc_kill", "control_plane_kill", "
 REDIS_FAULTS = ("redis_down", "redis_down_closed", "redis_slow")
 QUOTA_METRIC = "inferlb_ext_proc_quota_decisions_total"
 CACHE_METRIC = "inferlb_ext_proc_cache_requests_total"
+STORE_ERRORS_METRIC = "inferlb_ext_proc_quota_store_errors_total"
 FAULT_TENANT = "faults"
 NACKING_CONTROL_PLANE = "inferlb.bench.faults_nacking_control_plane"
 RATE_LIMIT_HEADER = "x-ratelimit-limit-requests"  # on every answer to a key with a quota, once checked
@@ -120,12 +121,14 @@ class Timeline:
 
 
 def envoy_stat(stats_text: str, name: str) -> int:
-    """One counter of Envoy's admin ``/stats`` text (0 when absent)."""
+    """One counter of Envoy's admin ``/stats`` text (0 when absent); with a leading ``*``, the sum of the
+    counters whose names end with the rest (``*.ext_proc.message_timeouts``: whatever the listener's prefix)."""
+    total = 0
     for line in stats_text.splitlines():
         key, _, value = line.partition(": ")
-        if key == name and value.strip().isdigit():
-            return int(value)
-    return 0
+        if (key == name or (name.startswith("*") and key.endswith(name[1:]))) and value.strip().isdigit():
+            total += int(value)
+    return total
 
 
 def host_flags(clusters_text: str, host: str, cluster: str = "workers") -> str | None:
@@ -174,9 +177,7 @@ def second_replica(control_plane: Component, workdir: Path) -> tuple[Component, 
     """Another control plane like ``control_plane`` (same store, endpoints, settings and admin token) on its
     own ports and data directory; its admin URL. Nothing connects to its xDS: it is the replica an operator
     may reach instead."""
-    xds, admin = free_port(), free_port()
-    while admin == xds:
-        admin = free_port()
+    xds, admin = free_ports(2)
     data = workdir / "control-plane-b-data"
     data.mkdir(parents=True, exist_ok=True)
     changed = {"--xds-port": str(xds), "--admin-port": str(admin), "--data-dir": str(data)}
@@ -216,7 +217,7 @@ class FaultRunner(ScenarioRunner):
     def _plan(self, configuration: str) -> DataPlanePlan:
         plan = plan_data_plane(configuration, endpoints=self.routed,
                                workdir=self.out_dir / "runs" / _slug(configuration),
-                               ports=DataPlanePorts.allocate(free_port),
+                               ports=DataPlanePorts.allocate(),
                                request_timeout_s=self.scenario.request_timeout_s, envoy=self.envoy,
                                retries=PRODUCT_RETRIES)
         flag = self.setup.nack_flag
@@ -274,7 +275,7 @@ class FaultRunner(ScenarioRunner):
         self.out_dir = self.base_dir / name
         self._log = self.out_dir / "logs" / "bench.log"
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.layout = type(self.layout)(tuple(self._distinct_ports(len(self.scenario.fleet.workers))))
+        self.layout = type(self.layout)(tuple(free_ports(len(self.scenario.fleet.workers))))
         async with contextlib.AsyncExitStack() as stack:
             self.setup = await self._set_up(name, stack)
             dp = self._plan(CAPACITY_CONFIGURATION)
@@ -298,6 +299,7 @@ class Fault:
         self.target = "%s:%d" % runner.routed[0]  # the same as Envoy's host (its proxy for worker_delay)
         self.headers: dict[str, str] = {}  # on every request of the load (the API key of the Redis faults)
         self.killed_envoy: dict[str, int] | None = None  # Envoy's counters when it was killed (they restart at 0)
+        self.counts_back: dict[str, int] = {}  # the Redis faults: ext_proc's counts when Redis was back
         self.loop = asyncio.get_running_loop()
         self.t0 = 0.0
 
@@ -383,6 +385,7 @@ class Fault:
             "failed_after_back": None if back is None else sum(a.send_at_s >= injected + back for a in failed_after),
             "retried": after["retries"] - before["retries"],
             "fail_open": after["fail_open"] - before["fail_open"],
+            "ext_proc_timeouts": after["ext_proc_timeouts"] - before["ext_proc_timeouts"],
             "recovery_s": recovery, **figures,
             "statuses": {str(k): v for k, v in sorted(outcome.statuses.items())},
             "error_kinds": dict(outcome.error_kinds), "timeouts": outcome.timeouts,
@@ -399,10 +402,11 @@ class Fault:
         try:
             text = (await self.client.get(f"{self.dp.envoy_admin_url}/stats")).text
         except httpx.TransportError:
-            return {"retries": 0, "fail_open": 0}
-        fail_open = sum(int(v) for k, _, v in (line.partition(": ") for line in text.splitlines())
-                        if k.endswith("failure_mode_allowed") and v.strip().isdigit())
-        return {"retries": envoy_stat(text, "cluster.workers.upstream_rq_retry"), "fail_open": fail_open}
+            return {"retries": 0, "fail_open": 0, "ext_proc_timeouts": 0}
+        return {"retries": envoy_stat(text, "cluster.workers.upstream_rq_retry"),
+                "fail_open": envoy_stat(text, "*failure_mode_allowed"),
+                # of those, ext_proc answers Envoy stopped waiting for (message timeout, 200 ms): a stalled host
+                "ext_proc_timeouts": envoy_stat(text, "*.ext_proc.message_timeouts")}
 
     async def clusters(self) -> str:
         return (await self.client.get(f"{self.dp.envoy_admin_url}/clusters")).text
@@ -581,13 +585,16 @@ class Fault:
             raise RuntimeError(f"{self.name}: ext_proc never checked the API key's quota")
 
     async def ext_proc_counts(self) -> dict[str, int]:
-        """ext_proc's quota decisions by result and its cache lookups by ``level:result``."""
+        """ext_proc's quota decisions by result (``quota:…``), quota-store calls not answered by reason
+        (``store:…``) and its cache lookups by ``level:result``."""
         text = (await self.client.get(f"{self.dp.ext_proc_metrics_url}/metrics")).text
         out: Counter[str] = Counter()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == QUOTA_METRIC:
                     out[f"quota:{sample.labels['result']}"] += int(sample.value)
+                elif sample.name == STORE_ERRORS_METRIC:
+                    out[f"store:{sample.labels['reason']}"] += int(sample.value)
                 elif sample.name == CACHE_METRIC:
                     out[f"cache:{sample.labels['level']}:{sample.labels['result']}"] += int(sample.value)
         return dict(out)
@@ -628,14 +635,26 @@ class Fault:
 
     async def back_redis_down(self) -> bool:
         """A quota checked in Redis again (admitted), and a client served since the restore."""
-        admitted = (await self.ext_proc_counts()).get("quota:admitted", 0)
-        return admitted > self.counts_restored.get("quota:admitted", 0) and await self.answered(1, self.restored_at)
+        counts = await self.ext_proc_counts()
+        if counts.get("quota:admitted", 0) > self.counts_restored.get("quota:admitted", 0) \
+                and await self.answered(1, self.restored_at):
+            self.counts_back = counts
+            return True
+        return False
+
+    async def figures_redis_down(self) -> dict[str, Any]:
+        """Quota-store calls not answered since it was back, by reason: a timeout (a stalled host) fails the
+        next half second of checks by design; an error would be a stale connection to the old Redis."""
+        counts = await self.ext_proc_counts()
+        return {"store_unanswered_after_back": {k: v - self.counts_back.get(k, 0) for k, v in sorted(counts.items())
+                                                if k.startswith("store:") and v != self.counts_back.get(k, 0)}}
 
     inject_redis_down_closed = inject_redis_down
     reacted_redis_down_closed = reacted_redis_down
     hold_redis_down_closed = hold_redis_down
     restore_redis_down_closed = restore_redis_down
     back_redis_down_closed = back_redis_down
+    figures_redis_down_closed = figures_redis_down
 
     async def inject_redis_slow(self) -> None:
         assert self.setup.redis_proxy is not None
