@@ -17,12 +17,22 @@ from __future__ import annotations
 import json
 from pathlib import Path, PurePosixPath
 from string import Template
+from urllib.parse import quote
 
 from inferlb_runtime.hostport import is_ip
 
 DEFAULT_TEMPLATE = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
 XDS_TLS_TEMPLATE = DEFAULT_TEMPLATE.parent / "bootstrap-xds-tls.yaml"
 
+
+
+def envoy_startup_stats_url(admin_url: str) -> str:
+    """Envoy's admin counters that say where its start-up stands: connected to the control plane or not,
+    CDS and LDS updates received or rejected, clusters and listeners still warming. A diagnosis when it is
+    not LIVE in time (its /init_dump does not cover the clusters' initialisation)."""
+    pattern = (r"^(control_plane\.|cluster_manager\.(cds\.|warming_clusters|active_clusters)"
+               r"|listener_manager\.(lds\.|total_listeners))")
+    return f"{admin_url}/stats?filter={quote(pattern)}"
 
 def _port(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:

@@ -21,7 +21,7 @@ import httpx
 from inferlb_runtime.hostport import fits_unix_socket
 from inferlb_runtime.model_routing import DEFAULT_POOL
 
-from .bootstrap import render_bootstrap
+from .bootstrap import envoy_startup_stats_url, render_bootstrap
 from .supervisor import Component, PreStop
 
 DATAPLANES = ("envoy", "nginx")
@@ -187,6 +187,7 @@ def envoy_component(data_dir: Path, ports: StackPorts, delta: bool) -> Component
         argv=[envoy_binary(), "-c", str(bootstrap), "--log-level", "warning", "--disable-hot-restart",
               "--drain-time-s", "5"],
         ready_url=f"http://127.0.0.1:{ports.envoy_admin}/ready",
+        diagnose_url=envoy_startup_stats_url(f"http://127.0.0.1:{ports.envoy_admin}"),
         log_path=data_dir / "logs" / "envoy.log",
         pre_stop=envoy_drain(ports.envoy_admin),
     )

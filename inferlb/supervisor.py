@@ -62,6 +62,8 @@ class Component:
     group: str = ""
     # Runs before SIGTERM, e.g. drain Envoy's listeners until no request is in flight.
     pre_stop: PreStop | None = None
+    # Asked when it is not ready in time; the answer goes in the error (Envoy: where its start-up stands).
+    diagnose_url: str | None = None
 
     @property
     def stop_group(self) -> str:
@@ -162,9 +164,16 @@ class Supervisor:
                     await asyncio.wait_for(process.wait(), 0.2)
                 except TimeoutError:
                     pass
-        if not self._stopping.is_set():
-            raise RuntimeError(f"{spec.name} was not ready after {spec.ready_timeout_s:.0f}s; see {spec.log_path}, "
-                               f"which ends:\n{log_tail(spec.log_path)}")
+            if self._stopping.is_set():
+                return
+            diagnosis = ""
+            if spec.diagnose_url:
+                try:
+                    diagnosis = f"\n{spec.diagnose_url} says:\n{(await client.get(spec.diagnose_url)).text[:4000]}"
+                except httpx.HTTPError as exc:
+                    diagnosis = f"\n{spec.diagnose_url} did not answer: {exc!r}"
+        raise RuntimeError(f"{spec.name} was not ready after {spec.ready_timeout_s:.0f}s; see {spec.log_path}, "
+                           f"which ends:\n{log_tail(spec.log_path)}{diagnosis}")
 
     async def _start(self, spec: Component, restarts: int) -> asyncio.subprocess.Process:
         process = await self.spawn(spec)

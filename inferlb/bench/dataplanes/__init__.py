@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ...bootstrap import render_bootstrap
+from ...bootstrap import envoy_startup_stats_url, render_bootstrap
 from ...supervisor import Component
 from ..fleet import child_env
 from ..processes import free_ports
@@ -105,7 +105,7 @@ def plan_data_plane(
     def envoy_component(bootstrap: Path) -> Component:
         return Component(name="envoy", argv=[envoy, "-c", str(bootstrap), *ENVOY_FLAGS],
                          ready_url=f"{envoy_admin_url}/ready", log_path=logs / "envoy.log", env=child_env(),
-                         ready_timeout_s=30.0)
+                         ready_timeout_s=30.0, diagnose_url=envoy_startup_stats_url(envoy_admin_url))
 
     if configuration in POLICIES:
         bootstrap = workdir / "envoy-bootstrap.json"

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from ...bootstrap import envoy_startup_stats_url
 from ...supervisor import Component
 from ..dataplanes import DataPlanePorts, plan_data_plane
 from ..dataplanes.envoy_static import bootstrap_dict, static_bootstrap
@@ -55,7 +56,8 @@ def envoy_component(envoy: str, name: str, bootstrap: Path, admin_port: int, log
     argv = [envoy, "-c", str(bootstrap), "--disable-hot-restart", "--concurrency", "1",
             "-l", os.environ.get("BENCH_ENVOY_LOG", "warn")]
     return Component(name=f"envoy-{name}", argv=argv, ready_url=f"http://127.0.0.1:{admin_port}/ready",
-                     log_path=log_dir / f"envoy-{name}.log", env=child_env(), ready_timeout_s=30.0)
+                     log_path=log_dir / f"envoy-{name}.log", env=child_env(), ready_timeout_s=30.0,
+                     diagnose_url=envoy_startup_stats_url(f"http://127.0.0.1:{admin_port}"))
 
 
 @dataclass(frozen=True)
