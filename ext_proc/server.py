@@ -122,6 +122,9 @@ log = logging.getLogger("inferlb.ext_proc")
 # A large body still being counted (and its quota checked) after this long gets Envoy's message timeout extended:
 # half the control plane's default message_timeout (200 ms), so the extension is sent well before Envoy gives up.
 COUNT_BEFORE_EXTENDING_S = 0.1
+# A body this large gets the extension at once: counting it takes a good part of the message timeout (about
+# 0.5 s per MiB of short inputs), and on a busy host the timer above fired too late (a 504 in a fresh-clone run).
+EXTEND_AT_ONCE_BYTES = 128 * 1024
 
 # A sheddable request is judged at its headers as holding content-length / this many tokens: more bytes per
 # token than JSON bodies of English take (4-6 for prose through MiniLM's WordPiece, 5.2-9.4 measured on the
@@ -377,12 +380,15 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         continue
                     body = b"".join((*stream.body, chunk)) if stream.body else chunk
                     stream.body = []
-                    checking = self._count_and_check(stream, body)
                     extended = False
-                    if self.counter.needs_thread(body):
+                    if len(body) > EXTEND_AT_ONCE_BYTES and not stream.held:  # held (EPP): no per-message wait
                         # Counting a large body (say, 200k short inputs) can outlast Envoy's message_timeout,
-                        # a 504 for a request the worker would refuse cleanly: not done soon, extend it (once).
-                        task = asyncio.ensure_future(checking)
+                        # a 504 for a request the worker would refuse cleanly: extend it (once) before counting.
+                        extended = True
+                        yield self._extend_timeout
+                        counted = await self._count_and_check(stream, body)
+                    elif self.counter.needs_thread(body):  # not done soon: extend it (once)
+                        task = asyncio.ensure_future(self._count_and_check(stream, body))
                         try:
                             if not (await asyncio.wait({task}, timeout=COUNT_BEFORE_EXTENDING_S))[0]:
                                 extended = True
@@ -391,7 +397,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                         finally:
                             task.cancel()  # a no-op once done; else the stream ended under it
                     else:
-                        counted = await checking
+                        counted = await self._count_and_check(stream, body)
                     if type(counted) is bytes:  # refused: over its quota
                         yield counted
                         continue

@@ -69,6 +69,9 @@ def test_one_message_over_the_limit_gets_413_and_one_at_it_a_pick(counter: Token
             call = h.stub.Process()
             await exchange(call, request_headers())
             response = await exchange(call, request_body(at_limit))
+            # over 128 KiB: Envoy is first told to wait longer (override_message_timeout), then the pick
+            assert response.WhichOneof("response") is None and response.override_message_timeout.seconds > 1
+            response = await call.read()
             assert response.WhichOneof("response") == "request_body" and response.dynamic_metadata.fields
             call.cancel()
 

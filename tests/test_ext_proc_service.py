@@ -307,7 +307,8 @@ def test_a_client_sent_pick_header_is_stripped(counter: TokenCounter) -> None:
 
 
 def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter) -> None:
-    """Bodies up to Envoy's 4 MiB buffer limit arrive as one gRPC message, and are counted exactly."""
+    """Bodies up to Envoy's 4 MiB buffer limit arrive as one gRPC message, and are counted exactly; over
+    128 KiB, Envoy is told to wait longer before the count starts."""
     big = "the quick brown fox jumps over the lazy dog " * 70_000  # ~3 MiB, capped at 256 tokens
     texts = [big, "short one"]
     expected = 256 + counter.count_text("short one")
@@ -316,7 +317,10 @@ def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter) ->
         async with serving(counter, static_view([A])) as h:
             call = h.stub.Process()
             await exchange(call, request_headers())
-            response = await exchange(call, request_body({"input": texts}))
+            # First Envoy is told to wait longer (override_message_timeout): no race of the count with its timeout
+            extend = await exchange(call, request_body({"input": texts}))
+            assert extend.WhichOneof("response") is None and extend.override_message_timeout.seconds > 1
+            response = await call.read()
             assert int(set_headers(response.request_body.response.header_mutation)["x-inferlb-tokens"]) == expected
             call.cancel()
 
