@@ -36,7 +36,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb_runtime.model_routing import DEFAULT_POOL, POOL_PATTERN
-from inferlb_runtime.supervision import Supervised, raise_if_cancelled
+from inferlb_runtime.supervision import Supervised
 
 from .stack_state import PoolStatus
 from .supervisor import Component, Supervisor
@@ -134,7 +134,6 @@ async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float, pol
     """Poll ``check`` until it holds (True) or ``timeout_s`` passes (False); transport errors count as not yet."""
     deadline = time.monotonic() + timeout_s
     while True:
-        raise_if_cancelled()
         try:
             if await check():
                 return True

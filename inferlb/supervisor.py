@@ -22,8 +22,6 @@ from pathlib import Path
 
 import httpx
 
-from inferlb_runtime.supervision import raise_if_cancelled
-
 from .stack_state import ComponentStatus, PoolStatus, StackStatus, State, write_status
 
 log = logging.getLogger("inferlb.up")
@@ -154,7 +152,6 @@ class Supervisor:
         deadline = time.monotonic() + spec.ready_timeout_s
         async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
             while time.monotonic() < deadline and not self._stopping.is_set():
-                raise_if_cancelled()
                 if process.returncode is not None:
                     raise RuntimeError(f"{spec.name} exited with {process.returncode} before it was ready; "
                                        f"see {spec.log_path}, which ends:\n{log_tail(spec.log_path)}")

@@ -26,18 +26,6 @@ T = TypeVar("T")
 _log = logging.getLogger("inferlb_runtime.supervision")
 
 
-
-def raise_if_cancelled() -> None:
-    """Raise ``CancelledError`` if this task's cancellation was requested and never delivered.
-
-    A library may turn a cancellation into its own error on the way up. httpx, through anyio, can raise
-    ``ConnectError`` instead (encode/httpx#2381), and a poll loop that catches transport errors then
-    goes on. ``inferlb bench run`` once kept running after Ctrl-C this way. Call this at the head of
-    such a loop, so that the loop stops when its task is cancelled."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError()
-
 class FailureObserver(Protocol):
     def task_failed(self, task: str) -> None: ...
 

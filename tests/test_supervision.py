@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-import httpx
 import pytest
 
 from control_plane.admin import AdminService
@@ -22,7 +21,7 @@ from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model import Endpoint
 from control_plane.xds import SnapshotCache
 from inferlb_runtime.backoff import Backoff
-from inferlb_runtime.supervision import Supervised, raise_if_cancelled
+from inferlb_runtime.supervision import Supervised
 
 from .faulty_control_plane import FAULT_ENV
 from .stack import (
@@ -145,38 +144,3 @@ def test_cancelling_a_supervised_step_is_not_a_failure() -> None:
         return count.failed, task.cancelled()
 
     assert asyncio.run(main()) == (0, True)
-
-
-def test_a_poll_loop_stops_even_when_a_library_turned_its_cancellation_into_an_error() -> None:
-    """What httpx can do on a cancelled connect (encode/httpx#2381): the loop sees a ConnectError, not a
-    CancelledError. Without ``raise_if_cancelled`` this loop would poll until its deadline."""
-
-    async def main() -> tuple[bool, int]:
-        polls = 0
-        polling = asyncio.Event()
-
-        async def connect_like_httpx() -> None:
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                raise httpx.ConnectError("All connection attempts failed") from None
-
-        async def poll() -> None:
-            nonlocal polls
-            while True:
-                raise_if_cancelled()
-                polls += 1
-                polling.set()
-                try:
-                    await connect_like_httpx()
-                except httpx.TransportError:
-                    pass
-
-        task = asyncio.create_task(poll())
-        await polling.wait()
-        task.cancel()
-        await asyncio.wait({task}, timeout=60)
-        return task.cancelled(), polls
-
-    cancelled, polls = asyncio.run(main())
-    assert cancelled and polls == 1

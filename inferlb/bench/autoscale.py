@@ -26,8 +26,6 @@ from typing import Any
 import httpx
 import numpy as np
 
-from inferlb_runtime.supervision import raise_if_cancelled
-
 from ..pool_scaler import desired_replicas
 from ..pool_scaler import free_port as scaler_free_port
 from ..supervisor import Component
@@ -206,7 +204,6 @@ async def _wait_serving(client: httpx.AsyncClient, url: str, body: bytes, group:
     """Until a request through Envoy is answered 200 (the stack routes), or the deadline."""
     deadline = time.monotonic() + STACK_READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        raise_if_cancelled()
         group.check_alive()
         try:
             if (await client.post(url, content=body, headers=HEADERS)).status_code \

@@ -27,8 +27,6 @@ from typing import Any, Awaitable, Callable
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferlb_runtime.supervision import raise_if_cancelled
-
 from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
 from .dataplanes.launch import healthy_hosts, start_data_plane
 from .faults_nacking_control_plane import FLAG_ENV
@@ -315,7 +313,6 @@ class Fault:
         """Poll ``check`` until true: the time it first held, or None after ``timeout_s``."""
         deadline = self.loop.time() + timeout_s
         while self.loop.time() < deadline:
-            raise_if_cancelled()
             if alive:
                 self.group.check_alive()
             try:

@@ -40,8 +40,6 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import httpx
 import psutil
 
-from inferlb_runtime.supervision import raise_if_cancelled
-
 from ..components import which_envoy
 from .capacity import Probe, capacity_from_probes, next_probe_rps, theoretical_capacity_rps
 from .dataplanes import DataPlanePlan, DataPlanePorts, plan_data_plane
@@ -261,7 +259,6 @@ class ScenarioRunner:
         """Until every worker has nothing queued or in flight; False if that took past the deadline."""
         deadline = time.monotonic() + self.scenario.request_timeout_s + IDLE_EXTRA_S
         while True:
-            raise_if_cancelled()
             group.check_alive()
             busy = await busy_workers(client, self.layout)
             if not busy:

@@ -8,8 +8,6 @@ from typing import Sequence
 
 import httpx
 
-from inferlb_runtime.supervision import raise_if_cancelled
-
 from ..exposition import sums_by_label
 from ..processes import ProcessGroup
 from . import WORKERS_CLUSTER, DataPlanePlan
@@ -56,7 +54,6 @@ async def _wait_hosts(client: httpx.AsyncClient, group: ProcessGroup, plan: Data
     deadline = time.monotonic() + timeout_s
     seen: set[str] = set()
     while time.monotonic() < deadline:
-        raise_if_cancelled()
         group.check_alive()
         try:
             response = await client.get(f"{plan.envoy_admin_url}/clusters")

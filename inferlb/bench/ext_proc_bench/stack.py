@@ -21,8 +21,6 @@ from typing import Any
 
 import httpx
 
-from inferlb_runtime.supervision import raise_if_cancelled
-
 from ...bootstrap import envoy_startup_stats_url
 from ...supervisor import Component
 from ..dataplanes import DataPlanePorts, plan_data_plane
@@ -42,7 +40,6 @@ async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float, wha
     """Poll ``check`` until true; raise naming ``what`` after ``timeout_s``, or at once if a process died."""
     deadline = time.monotonic() + timeout_s
     while True:
-        raise_if_cancelled()
         group.check_alive()
         try:
             if await check():
