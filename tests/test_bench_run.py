@@ -95,9 +95,12 @@ def test_smoke_scenario_writes_results_table_and_plots(out: Path) -> None:
 
 
 def test_ctrl_c_stops_every_process(out: Path) -> None:
+    # SIGINT back to its default in the child: when the suite was started with SIGINT ignored (`(make test &)`
+    # from a script), the bench inherits that and rightly ignores Ctrl-C; this test would then hang
     process = subprocess.Popen([*INFERLB, "bench", "run", "--scenario", str(SMOKE), "--out", str(out),
                                 "--no-progress", "--duration", "30"], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # Interrupt in the middle of the first run: the fleet and Envoy are up and under load.
         wait_until(lambda: process.poll() is not None or (out / "runs" / "envoy_round_robin" / "logs" / "envoy.log")
