@@ -11,7 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Awaitable, Sequence
 
 import uvicorn
 from pydantic import ValidationError
@@ -42,6 +42,8 @@ from .usage.ingest import UsageIngest
 from .xds import SnapshotCache, serve_xds, stop_xds
 
 log = logging.getLogger("inferlb.control_plane")
+# Each step of the stop after nginx's (xDS, the admin service, ...) may take this long; the xDS grace is 2 s.
+STOP_STEP_TIMEOUT_S = 10.0
 
 
 def restored_policies(stored: OperatorState, allow: PolicyAllowlist) -> tuple[WeightPolicy | None, OperatorState]:
@@ -158,19 +160,31 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
                       exc_info=error, extra={"task": task.get_name(), "error": repr(error)})
     log.info("stopping")
     if nginx is not None:  # first: nginx stops accepting and lets in-flight requests finish
-        await nginx.stop()
+        await stop_step("nginx", nginx.stop(), timeout_s=None)  # its own bound: nginx.stop_timeout_s
     admin.should_exit = True
-    await stop_xds(xds, cache, grace=2.0)
+    await stop_step("xds", stop_xds(xds, cache, grace=2.0))
     if follower is not None:
         follower.cancel()
-        await asyncio.gather(follower, return_exceptions=True)
-    await service.stop()
-    await stop_discovery(discovery)
-    await controller.stop()
+        await stop_step("store-follower", asyncio.gather(follower, return_exceptions=True))
+    await stop_step("admin-service", service.stop())
+    await stop_step("discovery", stop_discovery(discovery))
+    await stop_step("controller", controller.stop())
     for task in loops:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await stop_step("tasks", asyncio.gather(*tasks, return_exceptions=True))
+    log.info("stopped", extra={"exit_status": 1 if failed else 0})
     return 1 if failed else 0
+
+
+async def stop_step(name: str, step: Awaitable[object], timeout_s: float | None = STOP_STEP_TIMEOUT_S) -> None:
+    """One step of the stop, logged, and bounded: a step that hangs is logged by name and left behind, so
+    the process still exits. (A stop once hung for over 30 s in a fresh-clone run, after the admin
+    server had finished; the log did not say in which step.)"""
+    log.info("stopping %s", name, extra={"step": name})
+    try:
+        await asyncio.wait_for(step, timeout_s)
+    except TimeoutError:
+        log.warning("stop step %s did not finish in %g s; going on", name, timeout_s, extra={"step": name})
 
 
 def build_parser() -> argparse.ArgumentParser:
