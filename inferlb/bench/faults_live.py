@@ -120,15 +120,24 @@ class Timeline:
         return [a for a in self.answers if not self.ok(a)]
 
 
-def envoy_stat(stats_text: str, name: str) -> int:
-    """One counter of Envoy's admin ``/stats`` text (0 when absent); with a leading ``*``, the sum of the
-    counters whose names end with the rest (``*.ext_proc.message_timeouts``: whatever the listener's prefix)."""
-    total = 0
+def parse_envoy_stats(stats_text: str) -> dict[str, int]:
+    """The counters of Envoy's admin ``/stats`` text (name: value)."""
+    counters = {}
     for line in stats_text.splitlines():
         key, _, value = line.partition(": ")
-        if (key == name or (name.startswith("*") and key.endswith(name[1:]))) and value.strip().isdigit():
-            total += int(value)
-    return total
+        if value.strip().isdigit():
+            counters[key] = int(value)
+    return counters
+
+
+def envoy_stat(stats_text: str, name: str) -> int:
+    """One counter of Envoy's admin ``/stats`` text (0 when absent)."""
+    return parse_envoy_stats(stats_text).get(name, 0)
+
+
+def envoy_stat_sum(stats_text: str, suffix: str) -> int:
+    """The sum of the counters whose names end with ``suffix``, whatever their prefix (the listener's, ...)."""
+    return sum(v for k, v in parse_envoy_stats(stats_text).items() if k.endswith(suffix))
 
 
 def host_flags(clusters_text: str, host: str, cluster: str = "workers") -> str | None:
@@ -404,9 +413,9 @@ class Fault:
         except httpx.TransportError:
             return {"retries": 0, "fail_open": 0, "ext_proc_timeouts": 0}
         return {"retries": envoy_stat(text, "cluster.workers.upstream_rq_retry"),
-                "fail_open": envoy_stat(text, "*failure_mode_allowed"),
+                "fail_open": envoy_stat_sum(text, "failure_mode_allowed"),
                 # of those, ext_proc answers Envoy stopped waiting for (message timeout, 200 ms): a stalled host
-                "ext_proc_timeouts": envoy_stat(text, "*.ext_proc.message_timeouts")}
+                "ext_proc_timeouts": envoy_stat_sum(text, ".ext_proc.message_timeouts")}
 
     async def clusters(self) -> str:
         return (await self.client.get(f"{self.dp.envoy_admin_url}/clusters")).text
