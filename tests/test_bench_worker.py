@@ -9,7 +9,7 @@ import pytest
 
 from inferlb.bench.worker_bench import (Result, batches_and_inputs, http_run, length_batches, mixed_lengths, ratios,
                                         short_lengths, wrk_script)
-from inferlb.bench.wrk import find_wrk, lua_string
+from inferlb.bench.wrk import lua_string
 from inferlb.cli import build_parser
 
 
@@ -58,7 +58,6 @@ def test_the_subcommand_and_its_quick_mode_parse() -> None:
     assert args.quick and args.json == Path("out.json") and args.func.__module__ == "inferlb.bench.worker_bench"
 
 
-@pytest.mark.skipif(find_wrk() is None, reason="wrk is not installed (make bench installs it)")
 def test_http_run_measures_a_real_worker_with_wrk(tmp_path: Path) -> None:
     """The HTTP half end to end, on a simulated worker (no model): wrk's figures and the mean batch from the
     worker's own counters; the worker is stopped afterwards."""

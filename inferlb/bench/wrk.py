@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-INSTALL_HINT = "wrk is needed for the saturation measurements (apt-get install wrk; `make bench` does)"
+INSTALL_HINT = "wrk is needed for the saturation measurements (apt-get install wrk; `make test` and `make bench` do)"
 
 
 class WrkError(RuntimeError):
