@@ -16,6 +16,8 @@ The decision is pure (:class:`ReplicaActivity`); the reading is the I/O edge
 (:func:`read_replicas`, bounded like worker scrapes). The same body, parsed
 once, carries the replica's usage counters by tenant: the watch hands them
 to the usage writer (``usage.ingest``), so billing costs no second scrape.
+A look asks for those samples only (``SAMPLES``, as ``name[]``), so ext_proc
+renders a few lines instead of its whole exposition.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from inferlb_runtime.hostport import authority
 
 from .scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
-from .usage.readings import ReplicaUsage, replica_usage
+from .usage.readings import FAMILIES as USAGE_FAMILIES
+from .usage.readings import START_TIME, ReplicaUsage, replica_usage
 
 log = logging.getLogger("inferlb.control_plane.replicas")
 
 DECISIONS = "inferlb_ext_proc_decision_seconds"  # a histogram: its _count is every decision made
+# The samples a look asks for (ext_proc renders only these): the decision count and the usage counters.
+SAMPLES = (f"{DECISIONS}_count", START_TIME, *(f"{family}_total" for family in USAGE_FAMILIES))
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ async def read_replicas(client: httpx.AsyncClient, targets: Mapping[str, tuple[s
     """Every target's reading (None: unreadable), concurrently, each within the scrape deadline and body cap."""
     async def one(target: tuple[str, int]) -> ReplicaReading | None:
         try:
-            text = await fetch_metrics(client, MetricsTarget(*target), config)
+            text = await fetch_metrics(client, MetricsTarget(*target), config, SAMPLES)
             return await asyncio.to_thread(read_exposition, text)
         except (ScrapeError, ValueError) as exc:
             log.debug("ext_proc replica metrics unreadable", extra={"target": target, "error": str(exc)})

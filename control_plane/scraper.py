@@ -131,18 +131,21 @@ def metrics_url(target: Target, path: str = "/metrics") -> str:
     return f"http://{authority(target.address, target.port)}{path}"
 
 
-async def fetch_metrics(client: httpx.AsyncClient, target: Target, config: ScraperConfig) -> str:
+async def fetch_metrics(client: httpx.AsyncClient, target: Target, config: ScraperConfig,
+                        names: Sequence[str] = ()) -> str:
     """The body of ``target``'s /metrics, bounded in time and size; ``ScrapeError`` says why not.
 
     The deadline covers the whole exchange; the body is streamed and dropped
     at ``max_body_bytes``, so neither a slow nor a huge answer can hold the
-    scraper's memory or time.
+    scraper's memory or time. ``names``: ask for these samples only (``name[]``,
+    prometheus_client's convention; a server that ignores it sends everything).
     """
     limit = config.max_body_bytes
     deadline_s = config.effective_timeout_s
+    params = {"name[]": list(names)} if names else None
     try:
         async with asyncio.timeout(deadline_s):
-            async with client.stream("GET", metrics_url(target, config.metrics_path)) as response:
+            async with client.stream("GET", metrics_url(target, config.metrics_path), params=params) as response:
                 if response.status_code != 200:
                     raise ScrapeError(f"HTTP {response.status_code}")
                 declared = response.headers.get("content-length", "")

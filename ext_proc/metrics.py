@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -202,7 +202,8 @@ class ExtProcMetrics:
     and the live collector; one registry per instance."""
 
     def __init__(self, live: Callable[[], LiveState] | None = None) -> None:
-        self.registry = r = CollectorRegistry()
+        # Collectors without names (ours, the process collector) still answer a restricted scrape (``render``).
+        self.registry = r = CollectorRegistry(support_collectors_without_names=True)
         ProcessCollector(registry=r)
         if live is not None:
             r.register(_LiveCollector(live))
@@ -409,8 +410,11 @@ class ExtProcMetrics:
     def quota_store_latency(self, seconds: float) -> None:
         self.quota_store_seconds.observe(seconds)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: Collection[str] = ()) -> bytes:
+        """The exposition; only the samples named in ``names`` when there are any. The control plane reads
+        four samples of every replica each half second (``replica_activity``): the whole exposition took
+        about 2.7 ms on the event loop, in the way of the requests."""
+        return generate_latest(self.registry.restricted_registry(names) if names else self.registry)
 
 
 def _le(bound: float) -> str:
@@ -423,7 +427,8 @@ def create_http_app(metrics: ExtProcMetrics, ready: Callable[[], str | None]) ->
     ``ready`` returns None when ready, else the reason)."""
 
     async def metrics_route(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        # name[]=<sample name>, repeated: prometheus_client's own handlers' convention for a partial scrape
+        return Response(metrics.render(request.query_params.getlist("name[]")), media_type=CONTENT_TYPE)
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})

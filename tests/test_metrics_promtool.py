@@ -9,6 +9,8 @@ from typing import Iterator
 
 import pytest
 
+from control_plane.replica_activity import SAMPLES, read_exposition
+
 from .conftest import WorkerProcess
 from .exposition import exercised_gateway, run_promtool, scrape
 from .stack import Gateway, http
@@ -38,6 +40,20 @@ def test_ext_proc_metrics_pass_promtool(gateway: Gateway) -> None:
     assert "inferlb_ext_proc_model_requests_total" in text
     assert 'inferlb_ext_proc_cache_requests_total{level="memory",result="hit"} 1.0' in text
     done = promtool(text)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_ext_proc_renders_only_the_samples_asked_for(gateway: Gateway) -> None:
+    """What the control plane's replica watch asks for every half second: those samples, nothing else."""
+    with http() as client:
+        response = client.get(f"{gateway.ext_proc.metrics_url}/metrics", params={"name[]": list(SAMPLES)})
+    assert response.status_code == 200
+    samples = {line.split("{")[0].split(" ")[0] for line in response.text.splitlines() if not line.startswith("#")}
+    assert samples == set(SAMPLES)
+    reading = read_exposition(response.text)
+    assert reading.decisions is not None and reading.decisions > 0
+    assert reading.usage is not None and reading.usage.started_at is not None and reading.usage.tenants
+    done = promtool(response.text)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
