@@ -8,10 +8,13 @@ the rest of the machine's load (``others``), so a busy neighbour is visible.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import psutil
+
+from ..cpu_placement import affinity, set_affinity
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:
@@ -56,23 +59,22 @@ class CpuMeter:
 
 @contextlib.contextmanager
 def pinned(server_pid: int) -> Iterator[str]:
-    """The server on the first allowed core, this process (the client) on the others, restored after."""
-    mine = psutil.Process()
-    server = psutil.Process(server_pid)
+    """The server on the first allowed core, this process (the client) on the others, every thread of each
+    (``cpu_placement``); restored after."""
+    mine = os.getpid()
     try:
-        allowed = sorted(mine.cpu_affinity())
-        server_before = server.cpu_affinity()
-    except (AttributeError, psutil.Error):
+        allowed = sorted(affinity(mine))
+        server_before = affinity(server_pid)
+    except (AttributeError, OSError):
         yield "not pinned (no CPU affinity here)"
         return
     if len(allowed) < 2:
         yield "not pinned (one core)"
         return
-    server.cpu_affinity([allowed[0]])
-    mine.cpu_affinity(allowed[1:])
+    set_affinity(server_pid, [allowed[0]])
+    set_affinity(mine, allowed[1:])
     try:
         yield f"server on core {allowed[0]}, client on {allowed[1:]}"
     finally:
-        mine.cpu_affinity(allowed)
-        with contextlib.suppress(psutil.Error):
-            server.cpu_affinity(server_before)
+        set_affinity(mine, allowed)
+        set_affinity(server_pid, server_before)
