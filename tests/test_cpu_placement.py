@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from inferlb.bench.cpu_placement import affinity, set_affinity, set_nice, thread_ids
+from inferlb.bench.cpu_placement import affinity, set_affinity, thread_ids
 
 CHILD = """
 import sys, threading
@@ -52,11 +52,6 @@ def test_set_affinity_places_every_thread(threaded_child: subprocess.Popen[str])
     assert set_affinity(threaded_child.pid, [first]) == 4
     assert {tid: os.sched_getaffinity(tid) for tid in thread_ids(threaded_child.pid)} == {
         tid: {first} for tid in thread_ids(threaded_child.pid)}
-
-
-def test_set_nice_places_every_thread(threaded_child: subprocess.Popen[str]) -> None:
-    assert set_nice(threaded_child.pid, 7) == 4
-    assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in thread_ids(threaded_child.pid)} == {7}
 
 
 def test_a_process_that_is_gone_has_no_threads_to_place() -> None:

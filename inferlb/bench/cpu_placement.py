@@ -1,10 +1,10 @@
 """Placing a running process on CPUs, every thread of it.
 
-Linux keeps CPU affinity and nice per thread. ``sched_setaffinity(pid)`` and
-``setpriority(PRIO_PROCESS, pid)``, and psutil's wrappers of them, change only
-the thread whose id is ``pid``: a server's gRPC, Envoy worker or helper
-threads that already run keep their old placement (measured: of a process
-with three threads, psutil's ``cpu_affinity([0])`` pinned one of four). So
+Linux keeps CPU affinity per thread. ``sched_setaffinity(pid)``, and
+psutil's ``cpu_affinity`` over it, change only the thread whose id is
+``pid``: a server's gRPC, Envoy worker or helper threads that already run
+keep their old placement (measured: of a process with three threads,
+psutil's ``cpu_affinity([0])`` pinned one of four). So
 each thread in ``/proc/<pid>/task`` is placed, and the walk repeats until it
 finds no thread it has not placed, since a thread created meanwhile by an
 unplaced one inherits the old placement. Threads created afterwards inherit
@@ -52,8 +52,3 @@ def set_affinity(pid: int, cpus: Iterable[int]) -> int:
 def affinity(pid: int) -> set[int]:
     """The CPUs the main thread of ``pid`` may run on (the others inherit it unless placed otherwise)."""
     return set(os.sched_getaffinity(pid))
-
-
-def set_nice(pid: int, nice: int) -> int:
-    """Every thread of ``pid`` at ``nice`` (raising it needs no privilege); how many threads were placed."""
-    return _each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, nice))
