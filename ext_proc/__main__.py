@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import os
+from .grpc_settings import GRPC_EXPERIMENTS_DEFAULT, use_grpc_defaults
 
-# grpc reads GRPC_EXPERIMENTS once, when it loads, so this runs before anything imports it. Without its
-# EventEngine listener and endpoints, grpc 1.85's aio server hands each message between fewer threads:
-# ~26 context switches per ext_proc stream instead of ~43, and 1.2-1.7x the streams per CPU-second
-# (docs/benchmarks.md section 3). Set GRPC_EXPERIMENTS (even to "") to choose otherwise.
-GRPC_EXPERIMENTS_DEFAULT = "-event_engine_listener,-event_engine_for_all_other_endpoints"
-os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS_DEFAULT)
+use_grpc_defaults()  # before anything imports grpc
 
 import argparse
 import asyncio
 import logging
 import logging.config
+import os
 import signal
 import sys
 from pathlib import Path

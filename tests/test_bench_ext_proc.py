@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from control_plane import resources
 from control_plane.config import DataPlaneConfig
+from ext_proc.grpc_settings import GRPC_EXPERIMENTS_DEFAULT
 from inferlb.bench.dataplanes.envoy_static import _manager, static_bootstrap
 from inferlb.bench.ext_proc_bench.command import QUICK, settle
 from inferlb.bench.ext_proc_bench.grpc_load import grpc_drive
@@ -200,3 +203,22 @@ def test_a_variant_reports_its_median_round_and_every_rounds_rate() -> None:
     picked = median_round(rounds)
     assert (picked["n"], picked["rounds"]) == (2, [300, 100, 200, 400])  # the lower middle of an even count
     assert median_round([{"rps": 5.0}, {"rps": 7.0}, {"rps": 6.0}])["rps"] == 6.0  # no server: by req/s
+
+
+def test_the_trivial_servicer_runs_on_the_grpc_ext_proc_sets() -> None:
+    """The floor is grpc as ext_proc runs it: GRPC_EXPERIMENTS set to ext_proc's default before grpc loads
+    (left alone when the operator set it). The server's loop is replaced by one that only reports."""
+    code = ("import os, sys, uvloop\n"
+            "def report(coro):\n"
+            "    coro.close()\n"
+            "    print(os.environ['GRPC_EXPERIMENTS'], 'grpc' in sys.modules)\n"
+            "uvloop.run = report\n"
+            "from inferlb.bench.ext_proc_bench import trivial\n"
+            "trivial.main(['1', '2'])\n")
+    for given, expected in ((None, f"{GRPC_EXPERIMENTS_DEFAULT} False"), ("", " False")):
+        env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+        if given is not None:
+            env["GRPC_EXPERIMENTS"] = given
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.rstrip("\n") == expected

@@ -3,8 +3,9 @@
 ``python -m inferlb.bench.ext_proc_bench.trivial PORT READY_PORT [UDS_PATH]``: gRPC on
 127.0.0.1:PORT (and on the Unix socket UDS_PATH when given); once it listens, 127.0.0.1:READY_PORT answers any HTTP request
 with 200 (the ``ProcessGroup``'s readiness probe speaks HTTP, not gRPC). It
-runs on uvloop, ext_proc's default loop, so that the floor compares like with
-like. SIGTERM or SIGINT stops it.
+runs on uvloop, ext_proc's default loop, and on grpc as ext_proc sets it
+(``ext_proc.grpc_settings``), so that the floor compares like with like.
+SIGTERM or SIGINT stops it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def main(argv: list[str]) -> int:
         return 2
     import uvloop
 
+    from ext_proc.grpc_settings import use_grpc_defaults
+
+    use_grpc_defaults()  # the grpc ext_proc runs on, so that the floor compares like with like
     uvloop.run(serve(int(argv[0]), int(argv[1]), argv[2] if len(argv) == 3 else None))
     return 0
 
