@@ -20,7 +20,7 @@ threads = [threading.Thread(target=stop.wait) for _ in range(3)]
 for t in threads:
     t.start()
 print("ready", flush=True)
-sys.stdin.read()  # until the test closes our stdin
+sys.stdin.read()  # until stdin closes or the test kills us
 stop.set()
 """
 
