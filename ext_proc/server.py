@@ -354,8 +354,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
         self.active_streams += 1
         how = "early"  # the stream ended (cancelled, reset, closed) before the response headers
         parse = pb.ProcessingRequest.FromString
+        messages = aiter(request_iterator)
         try:
-            async for raw in request_iterator:
+            async for raw in messages:
                 if type(raw) is bytes:
                     request = parse(raw)
                 else:
@@ -490,6 +491,11 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             lease = stream.quota.lease if stream.quota is not None else None
             if lease is not None and lease.releases(stream.forwarded):  # usually not: nothing in flight to free
                 self._give_back(lease, stream.forwarded)
+            close = getattr(messages, "aclose", None)  # grpc's receiver: a (Cython) async generator
+            if close is not None and not getattr(messages, "ag_running", True):
+                # Ended before Envoy's half-close (the usual case): close grpc's receiver here. Left to the
+                # garbage collector, its finalizer would wake the loop from outside and run a task per stream.
+                await close()
 
     def _has_room(self, pending: int) -> bool:
         """The fair gate's test: this replica's requests in flight, plus those admitted but not yet routed,
@@ -519,7 +525,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             strip = [name for name in self._strip_all if name in keys]
         else:
             strip = []
-        stream.headers = headers = wire.RequestHeaders(message, strip)
+        stream.headers = headers = wire.RequestHeaders(message, strip, raw)
         if maybe_key or self.settings.require_api_keys:
             sent_key = AUTHORIZATION_HEADER in strip
             caller = identify(wire.header_value(message, AUTHORIZATION_HEADER) if sent_key else None,

@@ -208,14 +208,19 @@ def response_headers_of(headers: pb.HttpHeaders) -> dict[str, str]:
 
 class RequestHeaders(Mapping[str, str]):
     """The request headers as a mapping, parsed from the message only if someone reads them
-    (the built-in policies never do), without the stripped ones."""
+    (the built-in policies never do), without the stripped ones.
 
-    __slots__ = ("_message", "_strip", "_dict")
+    The gateway cache reads ``:method``, ``:path`` and ``cache-control`` of every request: ``get`` of a
+    pseudo-header scans the first entries, and with ``raw`` (the serialised message the headers came in)
+    ``get`` of a header that was not sent costs a bytes search; neither parses the rest."""
 
-    def __init__(self, message: pb.HttpHeaders, strip: Sequence[str]) -> None:
+    __slots__ = ("_message", "_strip", "_dict", "_raw")
+
+    def __init__(self, message: pb.HttpHeaders, strip: Sequence[str], raw: bytes | None = None) -> None:
         self._message = message
         self._strip = strip
         self._dict: dict[str, str] | None = None
+        self._raw = raw
 
     def _parsed(self) -> dict[str, str]:
         if self._dict is None:
@@ -237,6 +242,12 @@ class RequestHeaders(Mapping[str, str]):
         return key in self._parsed()
 
     def get(self, key: str, default: Any = None) -> Any:
+        if self._dict is None:
+            if key.startswith(":"):  # a pseudo-header: sent once, first (HTTP/2), never stripped
+                value = header_value(self._message, key)
+                return default if value is None else value
+            if self._raw is not None and key.isascii() and key.encode() not in self._raw:
+                return default  # not in the message at all (a false positive only costs the parse)
         return self._parsed().get(key, default)
 
     def __eq__(self, other: object) -> bool:

@@ -737,3 +737,28 @@ def test_set_partition_rejects_an_index_outside_the_count() -> None:
     for index, count in ((2, 2), (-1, 3), (0, 0)):
         with pytest.raises(ValueError, match="partition index"):
             picker.set_partition(index, count)
+
+
+def test_request_headers_read_without_a_parse_say_what_the_parsed_mapping_says() -> None:
+    """``RequestHeaders.get`` answers pseudo-headers and absent headers without parsing the rest; each
+    answer is the one the parsed mapping gives (the last of repeated headers, never a stripped one)."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from ext_proc.wire import RequestHeaders
+
+    pairs = [(":method", "POST"), (":path", "/v1/embeddings?x=1"), ("cache-control", "no-cache"),
+             ("cache-control", "no-store"), ("x-gateway-destination-endpoint", "10.0.0.1:1"),
+             ("x-note", "cache-control: max-age=1")]
+    message = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]))
+    raw = pb.ProcessingRequest(request_headers=message).SerializeToString()
+    strip = ["x-gateway-destination-endpoint"]
+    names = [":method", ":path", ":authority", "cache-control", "x-gateway-destination-endpoint", "x-note",
+             "max-age", "absent", "näme"]
+    lazy = [RequestHeaders(message, strip, raw).get(name, "-") for name in names]
+    parsed = RequestHeaders(message, strip, raw)
+    assert len(parsed) == 4  # parses: every later read is the mapping's
+    assert lazy == [parsed.get(name, "-") for name in names] == [
+        "POST", "/v1/embeddings?x=1", "-", "no-store", "-", "cache-control: max-age=1", "-", "-", "-"]
+    assert [RequestHeaders(message, strip).get(name, "-") for name in names] == lazy  # without the raw bytes

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import signal
 import subprocess
@@ -259,6 +260,38 @@ def test_response_headers_feed_the_cost_model_and_release_the_work(counter: Toke
             await exchange(call, request_body({"input": "fails"}))
             await exchange(call, response_headers({":status": "503", "server-timing": "total;dur=0.1"}))
             assert cost.observed(A.id) == 1 and len(h.servicer.router.outstanding) == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_ended_at_its_response_headers_closes_grpcs_receiver(counter: TokenCounter) -> None:
+    """The servicer ends the stream after the response headers, before Envoy's half-close. grpc's request
+    receiver is an async generator: left open, the collector would hand each one to the loop's finalizer
+    hook (a wake-up from outside and a task per stream). The servicer closes it itself."""
+    finalized: list[object] = []
+
+    async def scenario() -> None:
+        hooks = sys.get_asyncgen_hooks()
+
+        def finalizer(agen: object) -> None:
+            finalized.append(agen)
+            hooks.finalizer(agen)  # type: ignore[misc]
+
+        sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=finalizer)
+        try:
+            async with serving(counter, static_view([A])) as h:
+                for _ in range(5):
+                    call = h.stub.Process()
+                    await exchange(call, request_headers())
+                    await exchange(call, request_body({"input": "close me"}))
+                    await exchange(call, response_headers({":status": "200"}))
+                    assert await call.read() is grpc.aio.EOF  # the server ended it
+                    assert await call.code() == grpc.StatusCode.OK
+                assert h.servicer.active_streams == 0
+                gc.collect()
+        finally:
+            sys.set_asyncgen_hooks(*hooks)
+        assert [type(a).__name__ for a in finalized] == []
 
     asyncio.run(scenario())
 
