@@ -5,6 +5,7 @@ the measurements, the verdicts and the table, bad arguments, and a tiny run thro
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import subprocess
 from pathlib import Path
@@ -13,18 +14,21 @@ import numpy as np
 import pytest
 
 from inferlb.bench import cache as cache_command
-from inferlb.bench.cache_live import build_sweep, cache_scenario
+from inferlb.bench.cache_live import bisect_crossings, build_sweep, cache_scenario, refine_rate
 from inferlb.bench.cache_report import (
     CachePlan,
+    bracket,
     cache_counts,
     hit_ratio,
     latency_figures,
     meets,
+    midpoint,
     render,
     repeat_work_share,
     slo_crossing,
     throughput_at_slo,
     verdicts,
+    with_refinement,
 )
 from inferlb.bench.capacity import theoretical_capacity_rps
 
@@ -104,13 +108,100 @@ def test_verdicts_and_the_table() -> None:
               "capacity_rps": 50.0, "verdicts": v, "off": {"sweep": off, "hit_series": latency_figures([0.03], [None])},
               "on": {"sweep": on, "hit_series": hits}}
     table = render(report)
-    assert "1.50x (target >= 1.4x): met" in table and "p50 1.20 ms over 10 hits of 10" in table
+    assert "1.500x (target >= 1.4x): met" in table and "p50 1.20 ms over 10 hits of 10" in table
     assert "cache off, the same body: p50 30.00 ms" in table and "30.0%" in table
-    assert "p99 crosses the SLO (interpolated): off 44.3 req/s, on 62.5 req/s = 1.41x" in table
+    assert "p99 crosses the SLO (interpolated): off 44.3 req/s, on 62.5 req/s = 1.411x" in table
     assert len(table.splitlines()) == 2 + 5 + 3  # header, columns, one row per load, the crossing, two verdicts
     shared = {**report, "on": {**report["on"], "sweep": [{**p, "repeat_work_share": 0.3} for p in on]}}
     assert "the repeats carry 30.0% of the work (the cost model's), so an exact-match cache's ceiling is 1.43x" \
         in render(shared)
+
+
+def test_the_bracket_is_the_last_rate_met_and_the_first_missed_and_bisects_geometrically() -> None:
+    assert bracket([point(0.6, 100), point(0.8, 200), point(1.0, 900), point(1.2, 950)], 0.5) == (40.0, 50.0)
+    assert bracket([point(0.6, 100), point(0.8, 200)], 0.5) is None  # nothing missed
+    assert bracket([point(0.6, 900)], 0.5) is None  # nothing met
+    assert midpoint(40.0, 90.0) == pytest.approx(60.0)
+
+
+def fake_measure(crossing: float, calls: list, mode: str, fail_at: int | None = None):  # type: ignore[no-untyped-def]
+    """A mode whose p99 rises through the 0.5 s SLO at ``crossing`` req/s; its ``fail_at``-th call fails."""
+    async def measure(rps: float, salt: int) -> dict | None:
+        calls.append((mode, rps, salt))
+        if fail_at is not None and sum(c[0] == mode for c in calls) == fail_at:
+            return None
+        return {"rps": rps, "completed": 10, "errors": 0, "timeouts": 0, "p99_s": 0.5 * rps / crossing}
+    return measure
+
+
+def test_the_refinement_confirms_each_bracket_then_bisects_it_taking_turns() -> None:
+    calls: list[tuple[str, float, int]] = []
+    points = asyncio.run(bisect_crossings(
+        {"off": (40.0, 50.0), "on": (60.0, 70.0)},
+        {"off": fake_measure(47.0, calls, "off"), "on": fake_measure(66.0, calls, "on")}, 4, 0.5, 1.25))
+    assert [c[0] for c in calls] == ["off", "on"] * 6 and len({c[2] for c in calls}) == 12  # turns, own texts
+    assert [c[1] for c in calls if c[0] == "off"][:2] == [50.0, 40.0]  # both ends again, long windows
+    for mode, crossing, (low, high) in (("off", 47.0, (40.0, 50.0)), ("on", 66.0, (60.0, 70.0))):
+        met = [p["rps"] for p in points[mode] if meets(p, 0.5)]
+        missed = [p["rps"] for p in points[mode] if not meets(p, 0.5)]
+        assert max(met) < crossing < min(missed) and min(missed) / max(met) <= (high / low) ** (1 / 16) + 1e-9
+        swept = [{**point(0, 400), "rps": low * 0.9}, {**point(0, 100), "rps": low}, {**point(0, 600), "rps": high}]
+        assert throughput_at_slo(with_refinement(swept, points[mode]), 0.5) == max(met)
+
+
+def test_a_bracket_the_long_windows_disagree_with_moves_and_a_failed_mode_stops() -> None:
+    calls: list[tuple[str, float, int]] = []
+    # the sweep missed 50 by chance (crossing 61): the search steps up; it met 50 by chance (crossing 48): down
+    points = asyncio.run(bisect_crossings(
+        {"up": (40.0, 50.0), "down": (50.0, 60.0)},
+        {"up": fake_measure(61.0, calls, "up"), "down": fake_measure(48.0, calls, "down")}, 2, 0.5, 1.25))
+    up = [c[1] for c in calls if c[0] == "up"]
+    assert up[:2] == [50.0, 62.5] and len(up) == 4  # met (so the low end is confirmed), missed, 2 bisections
+    down = [c[1] for c in calls if c[0] == "down"]
+    assert down[:3] == [60.0, 50.0, 40.0] and len(down) == 5  # missed, missed (a step down), met, 2 bisections
+    assert max(p["rps"] for p in points["down"] if meets(p, 0.5)) < 48 < min(
+        p["rps"] for p in points["down"] if not meets(p, 0.5))
+    assert max(p["rps"] for p in points["up"] if meets(p, 0.5)) < 61 < min(
+        p["rps"] for p in points["up"] if not meets(p, 0.5))
+    calls.clear()
+    dropped = asyncio.run(bisect_crossings(
+        {"off": (40.0, 50.0), "on": (60.0, 70.0)},
+        {"off": fake_measure(47.0, calls, "off", fail_at=2), "on": fake_measure(66.0, calls, "on")}, 3, 0.5, 1.25))
+    assert len(dropped["off"]) == 1 and len(dropped["on"]) == 5
+
+
+def test_a_refinement_rate_has_its_own_texts_and_the_longer_window() -> None:
+    plan = CachePlan(duration_s=2.0, warmup_s=0.5, load_step=1.5, refine_duration_s=3.0)
+    scenario = cache_scenario(plan)
+    capacity = theoretical_capacity_rps(scenario)
+    sweep = build_sweep(plan, scenario, capacity)
+    load, rps, trace, bodies = refine_rate(plan, scenario, capacity, capacity * 0.9, 1)
+    assert load == 0.9 and trace.duration_s == 3.5 and (trace.repeat_of >= 0).sum() == round(0.3 * len(trace))
+    _, _, _, other = refine_rate(plan, scenario, capacity, capacity * 0.9, 2)
+    assert not set(bodies) & set(other) and not any(set(bodies) & set(b) for *_, b in sweep)
+
+
+def test_the_verdict_reads_the_refinement_and_the_table_marks_it() -> None:
+    off = [point(0.6, 100), point(0.8, 200), point(1.0, 900)]
+    on = [point(0.6, 80, hit=0.3), point(1.0, 300, hit=0.3), point(1.2, 800, hit=0.3)]
+    refine_on = [{**point(1.1, 450, hit=0.3), "measured_s": 45.0}, {**point(1.15, 600, hit=0.3), "measured_s": 45.0}]
+    refine_off = [{**point(0.8, 350), "measured_s": 45.0}, {**point(0.9, 700), "measured_s": 45.0}]
+    hits = latency_figures([0.001] * 4, ["hit"] * 4)
+    assert [p["rps"] for p in with_refinement(on, refine_on)] == pytest.approx([30, 50, 55, 57.5])  # 60: superseded
+    v = verdicts(with_refinement(off, refine_off), with_refinement(on, refine_on), hits, 0.5)
+    assert v["throughput_off_rps"] == 40.0 and v["throughput_on_rps"] == 55.0 and v["ratio"] == 1.375
+    close = verdicts([{**point(1, 100), "rps": 65.32}], [{**point(1, 100), "rps": 91.43}], hits, 0.5)
+    assert close["ratio"] == 1.3997 and not close["ratio_met"]  # judged unrounded
+    assert v["crossing_on_rps"] == pytest.approx(55 + 2.5 * 50 / 150, abs=0.01)
+    report = {"plan": {"repeat_rate": 0.3, "zipf_s": 1.1, "repeat_pool": 1000, "workers": 2, "slo_s": 0.5},
+              "capacity_rps": 50.0, "verdicts": v,
+              "off": {"sweep": off, "refine": refine_off, "hit_series": latency_figures([0.03], [None])},
+              "on": {"sweep": on, "refine": refine_on, "hit_series": hits}}
+    table = render(report).splitlines()
+    assert sum("*" in line.split("|")[0] for line in table if "|" in line) == 4  # 0.8, 0.9 (off), 1.1, 1.15
+    assert [line.split("|")[1].split() for line in table if line.startswith("   0.800")] == [["200.0", "0"],
+                                                                                        ["350.0", "0"]]
+    assert "  * the refinement's rates (each mode's crossing bisected), 45 s each" in table
 
 
 def test_the_repeats_share_of_the_work_weighs_each_request_by_the_cost_model() -> None:
@@ -132,6 +223,15 @@ def test_the_sweep_replays_repeats_and_each_rate_has_its_own_fresh_texts() -> No
     assert len(set(b0)) == (t0.repeat_of < 0).sum()  # only the deliberate repeats are identical
 
 
+def test_without_repeats_every_request_of_the_sweep_is_a_text_of_its_own() -> None:
+    """``--repeat-rate 0`` is the cache's worst case: no body may repeat, within a rate or across rates."""
+    plan = CachePlan(repeat_rate=0.0, duration_s=2.0, warmup_s=0.5, load_step=1.5)
+    scenario = cache_scenario(plan)
+    sweep = build_sweep(plan, scenario, theoretical_capacity_rps(scenario))
+    bodies = [b for *_, rate in sweep[:2] for b in rate]
+    assert len(set(bodies)) == len(bodies)
+
+
 def _args(**overrides: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cache_command.add_arguments(parser)
@@ -143,6 +243,7 @@ def _args(**overrides: object) -> argparse.Namespace:
 def test_quick_shortens_what_was_not_given() -> None:
     plan = cache_command.plan_from(_args(quick=True, duration=6))
     assert plan.duration_s == 6 and plan.load_step == 1.15 and plan.hit_requests == 100 and plan.warmup_s == 1
+    assert plan.refine_steps == 0 and cache_command.plan_from(_args(quick=True, refine_steps=2)).refine_steps == 2
     assert cache_command.plan_from(_args()) == CachePlan()
 
 
@@ -153,6 +254,8 @@ def test_quick_shortens_what_was_not_given() -> None:
     ({"load_min": 2, "load_max": 1}, "--load-min must be > 0 and <= --load-max"),
     ({"load_step": 1}, "--load-step must be > 1"),
     ({"duration": -1}, "--duration must be > 0"),
+    ({"refine_steps": 11}, "--refine-steps must be in [0, 10]"),
+    ({"refine_duration": 0}, "--refine-duration must be > 0"),
     ({"slo_ms": 0}, "--slo must be > 0"),
     ({"hit_requests": 0}, "--hit-requests must be >= 1"),
     ({"cache_max_bytes": 0}, "--cache-max-bytes must be >= 1"),

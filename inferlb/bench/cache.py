@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cache_report import MIB, QUICK, CachePlan, render, verdicts
+from .cache_report import MIB, QUICK, CachePlan, render, verdicts, with_refinement
 
 DESCRIPTION = """\
 Issue 16's gateway cache, live. Two fresh stacks on loopback, one after the other (simulated workers,
@@ -17,11 +17,14 @@ control plane, ext_proc, Envoy): cache OFF (ext_proc's and the workers' cache_ma
 HIT_REQUESTS timed requests, read x-inferlb-cache), then an open-loop load sweep whose requests repeat
 earlier texts at REPEAT_RATE (Zipf over REPEAT_POOL texts; the rest fresh), at rates from LOAD_MIN to
 LOAD_MAX times the fleet's no-cache capacity (its cost model), each LOAD_STEP times the one before, until
-a rate misses the SLO. Both modes replay the very same requests.
-Targets: throughput at the SLO (the highest rate with p99 <= SLO, no errors) on / off >= 1.4 at 30%
-repeats; a hit answers through Envoy in <= 2 ms at p50. Also printed: where p99 crosses the SLO,
-interpolated between the last rate met and the first missed (finer than the step). Progress on stderr;
-exit 0 when both targets are met. Takes about 6 minutes (--quick: about 2)."""
+a rate misses the SLO. Both modes replay the very same requests. Then each mode's crossing is bisected
+REFINE_STEPS times between its last rate met and its first missed, each rate measured REFINE_DURATION
+seconds (the modes take turns): the sweep's grid alone puts the ratio at LOAD_STEP**k.
+Targets: throughput at the SLO (the highest rate with p99 <= SLO, no errors, below every rate that
+missed, sweep and refinement together) on / off >= 1.4 at 30% repeats; a hit answers through Envoy in
+<= 2 ms at p50. Also printed: where p99 crosses the SLO, interpolated between the last rate met and the
+next one missed. Progress on stderr; exit 0 when both targets are met. Takes about 12 minutes
+(--refine-steps 0: about 6; --quick, which does not refine: about 2)."""
 
 EPILOG = """\
 examples:
@@ -51,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"each rate over the one before (default {d.load_step:g}; --quick {QUICK['load_step']:g})")
     parser.add_argument("--duration", type=float, default=None,
                         help=f"measured seconds per rate (default {d.duration_s:g}; --quick {QUICK['duration_s']:g})")
+    parser.add_argument("--refine-steps", type=int, default=None,
+                        help=f"bisections of each mode's crossing after the sweep (default {d.refine_steps}; "
+                        f"--quick {QUICK['refine_steps']})")
+    parser.add_argument("--refine-duration", type=float, default=d.refine_duration_s,
+                        help=f"measured seconds per refinement rate (default {d.refine_duration_s:g})")
     parser.add_argument("--hit-requests", type=int, default=None,
                         help=f"timed requests of the one repeated body (default {d.hit_requests}; "
                         f"--quick {QUICK['hit_requests']})")
@@ -76,6 +84,8 @@ def plan_from(args: argparse.Namespace) -> CachePlan:
                      duration_s=float(pick(args.duration, "duration_s")),  # type: ignore[arg-type]
                      warmup_s=float(quick.get("warmup_s", d.warmup_s)),
                      hit_requests=int(pick(args.hit_requests, "hit_requests")),  # type: ignore[call-overload]
+                     refine_steps=int(pick(args.refine_steps, "refine_steps")),  # type: ignore[call-overload]
+                     refine_duration_s=args.refine_duration,
                      cache_max_bytes=args.cache_max_bytes, seed=args.seed)
 
 
@@ -109,8 +119,9 @@ def main(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; every process stopped", file=sys.stderr)
         return 130
-    report = {**live, "verdicts": verdicts(live["off"]["sweep"], live["on"]["sweep"], live["on"]["hit_series"],
-                                           plan.slo_s), "wall_s": round(time.monotonic() - started, 1)}
+    off, on = (with_refinement(live[m]["sweep"], live[m]["refine"]) for m in ("off", "on"))
+    report = {**live, "verdicts": verdicts(off, on, live["on"]["hit_series"], plan.slo_s),
+              "wall_s": round(time.monotonic() - started, 1)}
     print(render(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

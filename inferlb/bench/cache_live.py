@@ -22,11 +22,21 @@ import contextlib
 import dataclasses
 import time
 from pathlib import Path
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import httpx
 
-from .cache_report import CachePlan, cache_counts, hit_ratio, latency_figures, meets, repeat_work_share
+from .cache_report import (
+    CachePlan,
+    bracket,
+    cache_counts,
+    hit_ratio,
+    latency_figures,
+    meets,
+    midpoint,
+    repeat_work_share,
+)
 from .capacity import theoretical_capacity_rps
 from .dataplanes import EXT_PROC_CACHE_ENV, DataPlanePlan
 from .fair_live import with_ext_proc_env
@@ -44,6 +54,7 @@ HIT_SALT = 0  # the sweep's rates use salts 1.. (their fresh texts differ from t
 CLIENT_GRACE_S = 5.0  # the client waits beyond Envoy's route timeout: Envoy's 504 comes first
 
 Sweep = list[tuple[float, float, Trace, list[bytes]]]  # (load, rps, trace, bodies)
+REFINE_SALT = 1 << 10  # the refinement's rates' fresh texts: past every sweep rate's salt (MAX_LOADS)
 
 
 def cache_scenario(plan: CachePlan) -> Scenario:
@@ -65,6 +76,80 @@ def build_sweep(plan: CachePlan, scenario: Scenario, capacity_rps: float) -> Swe
         out.append((load, rps, trace, bodies_for(trace.tokens.tolist(), repeat_of=trace.repeat_of.tolist(),
                                                  salt=i)))
     return out
+
+
+def refine_rate(plan: CachePlan, scenario: Scenario, capacity_rps: float, rps: float,
+                salt: int) -> tuple[float, float, Trace, list[bytes]]:
+    """One refinement rate's trace (``refine_duration_s`` measured) and bodies, as ``build_sweep`` builds them."""
+    trace = build_trace(scenario.workload, rps, plan.warmup_s + plan.refine_duration_s, plan.seed)
+    return (round(rps / capacity_rps, 4), rps, trace,
+            bodies_for(trace.tokens.tolist(), repeat_of=trace.repeat_of.tolist(), salt=REFINE_SALT + salt))
+
+
+Measure = Callable[[float, int], Awaitable[dict[str, Any] | None]]  # (rps, salt) -> its point; None: failed
+
+
+class Crossing:
+    """One mode's search for its SLO crossing, in long windows: first the sweep's bracket is confirmed (its
+    last rate met and first missed were measured in short windows, whose p99 swings with the trace: an end
+    that disagrees moves the bracket a step that way, at most ``MAX_MOVES`` times), then it is bisected."""
+
+    MAX_MOVES = 2
+
+    def __init__(self, low_rps: float, high_rps: float, step: float, bisections: int) -> None:
+        self.low, self.high, self.step = low_rps, high_rps, step
+        self.high_confirmed = self.low_confirmed = False
+        self.moves = 0
+        self.bisections = bisections
+
+    def next_rate(self) -> float | None:
+        """The rate to measure next; None when the search is over."""
+        if not self.high_confirmed:
+            return self.high
+        if not self.low_confirmed:
+            return self.low
+        return midpoint(self.low, self.high) if self.bisections > 0 else None
+
+    def record(self, rps: float, met: bool) -> None:
+        """What the rate ``next_rate`` gave showed."""
+        if not self.high_confirmed:
+            if met and self.moves < self.MAX_MOVES:  # the short window missed here by chance: look one step up
+                self.low, self.high, self.low_confirmed = rps, rps * self.step, True
+                self.moves += 1
+            else:
+                self.high_confirmed = True
+                if met:  # out of moves: a confirmed met rate is still a lower bound
+                    self.low, self.low_confirmed = rps, True
+        elif not self.low_confirmed:
+            if not met and self.moves < self.MAX_MOVES:  # met in the sweep by chance: look one step down
+                self.low, self.high = rps / self.step, rps
+                self.moves += 1
+            else:
+                self.low_confirmed = True
+        else:
+            self.bisections -= 1
+            self.low, self.high = (rps, self.high) if met else (self.low, rps)
+
+
+async def bisect_crossings(brackets: Mapping[str, tuple[float, float]], measure: Mapping[str, Measure], steps: int,
+                           slo_s: float, step: float) -> dict[str, list[dict[str, Any]]]:
+    """Per mode, its crossing searched (``Crossing``: the bracket confirmed, then ``steps`` bisections) with
+    ``measure``. The modes take turns, one rate each, as the sweep's rates do (a busy spell on the host
+    falls on both). A mode whose measurement failed (None) stops there."""
+    points: dict[str, list[dict[str, Any]]] = {mode: [] for mode in brackets}
+    searches = {mode: Crossing(low, high, step, steps) for mode, (low, high) in brackets.items()}
+    salt = 0
+    while searches:
+        for mode, search in list(searches.items()):
+            rps = search.next_rate()
+            point = await measure[mode](rps, salt) if rps is not None else None
+            salt += 1
+            if point is None:
+                del searches[mode]
+                continue
+            points[mode].append(point)
+            search.record(rps, meets(point, slo_s))
+    return points
 
 
 class CacheRunner(ScenarioRunner):
@@ -131,8 +216,9 @@ class CacheRunner(ScenarioRunner):
         return figures
 
     async def measure(self, client: httpx.AsyncClient, load: float, rps: float, trace: Trace,
-                      bodies: list[bytes]) -> dict[str, Any]:
-        """One rate of the sweep, from idle workers; its figures and the hits ext_proc counted over it."""
+                      bodies: list[bytes], refining: bool = False) -> dict[str, Any]:
+        """One rate of the sweep (or of the refinement), from idle workers; its figures and the hits ext_proc
+        counted over it."""
         plan, group, dp = self.plan, self.group, self.dp
         assert group is not None and dp is not None and dp.ext_proc_metrics_url is not None
         metrics_url = f"{dp.ext_proc_metrics_url}/metrics"
@@ -146,7 +232,8 @@ class CacheRunner(ScenarioRunner):
         measured = trace.window(plan.warmup_s)
         fleet = self.scenario.fleet
         share = repeat_work_share(trace.tokens[measured], trace.repeat_of[measured], fleet.fixed_s, fleet.per_token_s)
-        point = {"load": load, "rps": round(rps, 2), "sent": outcome.sent, "completed": outcome.completed,
+        point = {"load": load, "rps": round(rps, 2), "measured_s": round(trace.duration_s - plan.warmup_s, 1),
+                 "sent": outcome.sent, "completed": outcome.completed,
                  "errors": outcome.errors, "timeouts": outcome.timeouts, "p50_s": round(s.p50_s, 4),
                  "p99_s": round(s.p99_s, 4), "hit_ratio": hit_ratio(before, after), "repeat_work_share": share,
                  "statuses": {str(k): v for k, v in sorted(outcome.statuses.items())},
@@ -154,7 +241,8 @@ class CacheRunner(ScenarioRunner):
         hits = f", hits {point['hit_ratio']:.0%}" if point["hit_ratio"] is not None else ""
         self.report(f"  cache {self.mode}: {load:.2f} x capacity = {rps:.1f} req/s: p99 "
                     f"{s.p99_s * 1e3:.0f} ms, {outcome.errors} errors, {outcome.timeouts} timeouts{hits}: "
-                    + ("met" if meets(point, plan.slo_s) else "missed the SLO, its sweep stops"))
+                    + ("met" if meets(point, plan.slo_s) else
+                       "missed the SLO" if refining else "missed the SLO, its sweep stops"))
         return point
 
 
@@ -170,18 +258,23 @@ async def run_cache(plan: CachePlan, out: Path, report: Report) -> dict[str, Any
     sweep = await asyncio.to_thread(build_sweep, plan, scenario, capacity)
     runners = [CacheRunner(plan, out / f"cache-{mode}", cache=mode == "on", report=report) for mode in ("off", "on")]
     modes: dict[str, Any] = {r.mode: {"cache": r.cache, "ext_proc_cache_max_bytes": plan.cache_max_bytes if r.cache
-                                      else 0, "hit_series": {"requests": 0, "hits": 0}, "sweep": []} for r in runners}
+                                      else 0, "hit_series": {"requests": 0, "hits": 0}, "sweep": [], "refine": []}
+                             for r in runners}
     failures: list[dict[str, str]] = []
 
     def fail(runner: CacheRunner, exc: BaseException) -> None:
         report(f"  FAILED: cache {runner.mode}: {exc}")
         failures.append({"mode": runner.mode, "error": str(exc)})
 
-    async def done(runner: CacheRunner) -> None:
+    async def done(runner: CacheRunner, failed: bool = False) -> None:
         active.remove(runner)
-        await runner.stop()  # its sweep is over: the host is the other mode's
+        if failed or not plan.refine_steps:
+            await runner.stop()  # its sweep is over: the host is the other mode's
+        else:
+            swept.append(runner)  # its stack waits for the refinement, idle
 
     active: list[CacheRunner] = []
+    swept: list[CacheRunner] = []  # stacks kept up for the refinement
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client, contextlib.AsyncExitStack() as stack:
         for index, runner in enumerate(runners, 1):
             stack.push_async_callback(runner.stop)  # also on errors and interrupts
@@ -201,10 +294,31 @@ async def run_cache(plan: CachePlan, out: Path, report: Report) -> dict[str, Any
                     point = await runner.measure(client, load, rps, trace, bodies)
                 except failed as exc:
                     fail(runner, exc)
-                    await done(runner)
+                    await done(runner, failed=True)
                     continue
                 modes[runner.mode]["sweep"].append(point)
                 if not meets(point, plan.slo_s):
                     await done(runner)
+        brackets = {r.mode: b for r in swept if (b := bracket(modes[r.mode]["sweep"], plan.slo_s)) is not None}
+        if brackets:
+            report(f"the refinement, {plan.refine_duration_s:g} s per rate: each mode's last rate met and first "
+                   f"missed measured again, then its crossing bisected {plan.refine_steps} times")
+            by_mode = {r.mode: r for r in swept}
+
+            def measurer(runner: CacheRunner) -> Measure:
+                async def measure(rps: float, salt: int) -> dict[str, Any] | None:
+                    load, rps, trace, bodies = await asyncio.to_thread(refine_rate, plan, scenario, capacity, rps, salt)
+                    try:
+                        point = await runner.measure(client, load, rps, trace, bodies, refining=True)
+                    except failed as exc:
+                        fail(runner, exc)
+                        await runner.stop()
+                        return None
+                    modes[runner.mode]["refine"].append(point)
+                    return point
+                return measure
+
+            await bisect_crossings(brackets, {m: measurer(by_mode[m]) for m in brackets}, plan.refine_steps,
+                                   plan.slo_s, plan.load_step)
     return {"capacity_rps": round(capacity, 2), "capacity_source": "the simulated workers' cost model",
             "plan": dataclasses.asdict(plan), **modes, "failures": failures}

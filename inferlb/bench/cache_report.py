@@ -4,12 +4,14 @@ Issue 16's targets: at a 30% repeat rate the fleet's throughput at the SLO is at
 without the cache, and a hit answers through Envoy in at most 2 ms at p50. Throughput at the SLO is
 read off a load sweep (rates rising geometrically, open loop): the highest rate whose p99 met the SLO
 with no error and no timeout, stopping at the first rate that missed (beyond it the fleet is
-overloaded and every later rate would only queue longer). Kept apart from the live half so the rules
-are tested without a stack.
+overloaded and every later rate would only queue longer). Each mode's crossing is then bisected between
+those two rates, with longer windows (``refine_steps``): the verdict reads sweep and refinement together.
+Kept apart from the live half so the rules are tested without a stack.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ MIB = 1024 * 1024
 RATIO_TARGET = 1.4
 HIT_P50_TARGET_S = 0.002
 MAX_LOADS = 40  # a load loop's bound, whatever the flags say
+MAX_REFINE_STEPS = 10
 HIT = "hit"
 
 
@@ -44,6 +47,11 @@ class CachePlan:
     hit_warmup: int = 20
     cache_max_bytes: int = 64 * MIB  # ext_proc's, when on
     seed: int = 1
+    # Then each mode's crossing is bisected between its last rate met and its first missed, this many
+    # times, each rate measured this long: a sweep's step alone can only say 1.03**k (1.384x or 1.426x
+    # around 1.4), and a 15 s window's p99 swings with its trace. 0: the sweep's figures only.
+    refine_steps: int = 3
+    refine_duration_s: float = 45.0
 
     def loads(self) -> tuple[float, ...]:
         """The sweep's loads, from ``load_min`` up to ``load_max`` (included, give or take rounding)."""
@@ -66,7 +74,9 @@ class CachePlan:
             out.append(f"--load-min must be > 0 and <= --load-max, got {self.load_min:g} and {self.load_max:g}")
         if not self.load_step > 1:
             out.append(f"--load-step must be > 1, got {self.load_step:g}")
-        for name in ("duration_s", "slo_s", "timeout_s", "cost_scale"):
+        if not 0 <= self.refine_steps <= MAX_REFINE_STEPS:
+            out.append(f"--refine-steps must be in [0, {MAX_REFINE_STEPS}], got {self.refine_steps}")
+        for name in ("duration_s", "refine_duration_s", "slo_s", "timeout_s", "cost_scale"):
             if not getattr(self, name) > 0:
                 out.append(f"--{name.removesuffix('_s').replace('_', '-')} must be > 0, got {getattr(self, name):g}")
         if self.warmup_s < 0 or self.hit_warmup < 0:
@@ -76,7 +86,7 @@ class CachePlan:
         return out
 
 
-QUICK = {"duration_s": 4.0, "warmup_s": 1.0, "load_step": 1.15, "hit_requests": 100}
+QUICK = {"duration_s": 4.0, "warmup_s": 1.0, "load_step": 1.15, "hit_requests": 100, "refine_steps": 0}
 
 
 def cache_counts(metrics_text: str) -> dict[str, float]:
@@ -128,6 +138,19 @@ def slo_crossing(points: Sequence[Mapping[str, Any]], slo_s: float) -> float:
     return lo["rps"] + (hi["rps"] - lo["rps"]) * (slo_s - lo["p99_s"]) / (hi["p99_s"] - lo["p99_s"])
 
 
+def bracket(points: Sequence[Mapping[str, Any]], slo_s: float) -> tuple[float, float] | None:
+    """(the last rate met, the first rate missed after it) in req/s: where the crossing lies, to bisect;
+    None when no rate was met or none missed."""
+    best = throughput_at_slo(points, slo_s)
+    above = sorted(p["rps"] for p in points if p["rps"] > best)
+    return (best, above[0]) if best > 0 and above else None
+
+
+def midpoint(low_rps: float, high_rps: float) -> float:
+    """The next rate to measure between two: their geometric mean (the sweep's rates are geometric too)."""
+    return math.sqrt(low_rps * high_rps)
+
+
 def repeat_work_share(tokens: np.ndarray, repeat_of: np.ndarray, fixed_s: float, per_token_s: float) -> float:
     """The repeats' share of the cost model's work: what an exact-match cache can take off the workers at
     most (its throughput ceiling is ``1 / (1 - share)``, before the hits' own cost)."""
@@ -147,16 +170,28 @@ def latency_figures(latencies_s: Sequence[float], caches: Sequence[str | None]) 
     return out
 
 
+def with_refinement(sweep: Sequence[Mapping[str, Any]],
+                    refine: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The points a mode is judged by: its refinement's (long windows), and the sweep's below them (a short
+    window's p99 at or above the refinement's lowest rate is superseded, not counted against it)."""
+    if not refine:
+        return list(sweep)
+    lowest = min(p["rps"] for p in refine)
+    return [*(p for p in sweep if p["rps"] < lowest), *refine]
+
+
 def verdicts(off_points: Sequence[Mapping[str, Any]], on_points: Sequence[Mapping[str, Any]],
              hits: Mapping[str, Any], slo_s: float) -> dict[str, Any]:
-    """The two targets, each with its figures and met / not met (a target without figures is not met)."""
+    """The two targets, each with its figures and met / not met (a target without figures is not met; the
+    ratio is judged unrounded)."""
     off, on = throughput_at_slo(off_points, slo_s), throughput_at_slo(on_points, slo_s)
-    ratio = round(on / off, 3) if off > 0 else None
+    ratio = on / off if off > 0 else None
     off_x, on_x = slo_crossing(off_points, slo_s), slo_crossing(on_points, slo_s)
     p50_ms = hits.get("hit_p50_ms")
-    return {"throughput_off_rps": round(off, 2), "throughput_on_rps": round(on, 2), "ratio": ratio,
+    return {"throughput_off_rps": round(off, 2), "throughput_on_rps": round(on, 2),
+            "ratio": round(ratio, 4) if ratio is not None else None,
             "crossing_off_rps": round(off_x, 2), "crossing_on_rps": round(on_x, 2),
-            "crossing_ratio": round(on_x / off_x, 3) if off_x > 0 else None,
+            "crossing_ratio": round(on_x / off_x, 4) if off_x > 0 else None,
             "ratio_target": RATIO_TARGET, "ratio_met": ratio is not None and ratio >= RATIO_TARGET,
             "hit_p50_ms": p50_ms, "hit_p50_target_ms": HIT_P50_TARGET_S * 1e3,
             "hit_met": p50_ms is not None and hits.get("hits", 0) > 0 and p50_ms <= HIT_P50_TARGET_S * 1e3}
@@ -169,8 +204,10 @@ def render(report: Mapping[str, Any]) -> str:
              f"texts), {plan['workers']} simulated workers, no-cache capacity {report['capacity_rps']:.1f} req/s "
              f"(the cost model's), SLO p99 <= {plan['slo_s'] * 1e3:.0f} ms",
              f"  {'load':>6} {'req/s':>7} | {'off p99 ms':>10} {'err':>4} | {'on p99 ms':>10} {'err':>4} {'hits':>6}"]
-    on = {p["load"]: p for p in report["on"]["sweep"]}
-    off = {p["load"]: p for p in report["off"]["sweep"]}
+    refined = [p for mode in ("off", "on") for p in report[mode].get("refine", [])]
+    # a row per (load, refined): a refinement rate may repeat a sweep rate, in its longer window
+    on = {(p["load"], r): p for r, key in ((False, "sweep"), (True, "refine")) for p in report["on"].get(key, [])}
+    off = {(p["load"], r): p for r, key in ((False, "sweep"), (True, "refine")) for p in report["off"].get(key, [])}
 
     def cells(p: Mapping[str, Any] | None, hits: bool) -> str:
         if p is None:
@@ -180,10 +217,14 @@ def render(report: Mapping[str, Any]) -> str:
             out += f" {p['hit_ratio']:>6.1%}" if p.get("hit_ratio") is not None else f" {'-':>6}"
         return out
 
-    for load in sorted(set(on) | set(off)):
-        rps = (on.get(load) or off[load])["rps"]
-        lines.append(f"  {load:>6.2f} {rps:>7.1f} | {cells(off.get(load), False)} | {cells(on.get(load), True)}")
-    ratio = f"{v['ratio']:.2f}x" if v["ratio"] is not None else "n/a"
+    for row in sorted(set(on) | set(off)):
+        load, is_refined = row
+        rps = (on.get(row) or off[row])["rps"]
+        mark = "*" if is_refined else " "
+        lines.append(f"  {load:>6.3f}{mark}{rps:>7.1f} | {cells(off.get(row), False)} | {cells(on.get(row), True)}")
+    if refined:
+        lines.append(f"  * the refinement's rates (each mode's crossing bisected), {refined[0]['measured_s']:g} s each")
+    ratio = f"{v['ratio']:.3f}x" if v["ratio"] is not None else "n/a"
     shares = [p["repeat_work_share"] for p in report["on"]["sweep"] if p.get("repeat_work_share") is not None]
     if shares:
         share = sum(shares) / len(shares)
@@ -193,7 +234,7 @@ def render(report: Mapping[str, Any]) -> str:
                  f"req/s = {ratio} (target >= {v['ratio_target']:g}x): {'met' if v['ratio_met'] else 'NOT MET'}")
     if v.get("crossing_ratio") is not None:
         lines.append(f"  p99 crosses the SLO (interpolated): off {v['crossing_off_rps']:.1f} req/s, on "
-                     f"{v['crossing_on_rps']:.1f} req/s = {v['crossing_ratio']:.2f}x")
+                     f"{v['crossing_on_rps']:.1f} req/s = {v['crossing_ratio']:.3f}x")
     h = report["on"]["hit_series"]
     p50 = f"{v['hit_p50_ms']:.2f} ms" if v["hit_p50_ms"] is not None else "n/a (no hit)"
     base = report["off"]["hit_series"].get("all_p50_ms")

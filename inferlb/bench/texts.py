@@ -67,9 +67,10 @@ def bodies_for(tokens: Sequence[int], *, inputs: int = 1, model: str = MODEL,
     distinct body only. With repeats, a repeat is its source's very body and every fresh request gets
     a variant of its own, so only the trace's deliberate repeats are identical (what a cache may hit);
     ``salt`` (0 .. 2**20) gives another trace's fresh texts, none equal to this one's (for traces under
-    a million requests: the variants are ``salt * 2**32 + ...``, far apart in the text's seed).
+    a million requests: the variants are ``salt * 2**32 + ...``, far apart in the text's seed). A salt
+    asks for texts of their own even without repeats (a cache bench at 0% repeats must not hit).
     """
-    if repeat_of is not None and any(int(r) >= 0 for r in repeat_of):
+    if repeat_of is not None and (salt or any(int(r) >= 0 for r in repeat_of)):
         if not 0 <= salt < 2**20:
             raise ValueError(f"salt must be in [0, 2**20), got {salt!r}")
         return _bodies_with_repeats(tokens, repeat_of, inputs=inputs, model=model, first=(salt << 32) + VARIANTS)
