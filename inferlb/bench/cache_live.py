@@ -21,8 +21,8 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from pathlib import Path
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import httpx
