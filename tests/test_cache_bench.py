@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from inferlb.bench import cache as cache_command
-from inferlb.bench.cache_live import bisect_crossings, build_sweep, cache_scenario, refine_rate
+from inferlb.bench.cache_live import search_crossings, build_sweep, cache_scenario, refine_rate
 from inferlb.bench.cache_report import (
     CachePlan,
     bracket,
@@ -136,7 +136,7 @@ def fake_measure(crossing: float, calls: list, mode: str, fail_at: int | None = 
 
 def test_the_refinement_confirms_each_bracket_then_bisects_it_taking_turns() -> None:
     calls: list[tuple[str, float, int]] = []
-    points = asyncio.run(bisect_crossings(
+    points = asyncio.run(search_crossings(
         {"off": (40.0, 50.0), "on": (60.0, 70.0)},
         {"off": fake_measure(47.0, calls, "off"), "on": fake_measure(66.0, calls, "on")}, 4, 0.5, 1.25))
     assert [c[0] for c in calls] == ["off", "on"] * 6 and len({c[2] for c in calls}) == 12  # turns, own texts
@@ -152,7 +152,7 @@ def test_the_refinement_confirms_each_bracket_then_bisects_it_taking_turns() -> 
 def test_a_bracket_the_long_windows_disagree_with_moves_and_a_failed_mode_stops() -> None:
     calls: list[tuple[str, float, int]] = []
     # the sweep missed 50 by chance (crossing 61): the search steps up; it met 50 by chance (crossing 48): down
-    points = asyncio.run(bisect_crossings(
+    points = asyncio.run(search_crossings(
         {"up": (40.0, 50.0), "down": (50.0, 60.0)},
         {"up": fake_measure(61.0, calls, "up"), "down": fake_measure(48.0, calls, "down")}, 2, 0.5, 1.25))
     up = [c[1] for c in calls if c[0] == "up"]
@@ -164,7 +164,7 @@ def test_a_bracket_the_long_windows_disagree_with_moves_and_a_failed_mode_stops(
     assert max(p["rps"] for p in points["up"] if meets(p, 0.5)) < 61 < min(
         p["rps"] for p in points["up"] if not meets(p, 0.5))
     calls.clear()
-    dropped = asyncio.run(bisect_crossings(
+    dropped = asyncio.run(search_crossings(
         {"off": (40.0, 50.0), "on": (60.0, 70.0)},
         {"off": fake_measure(47.0, calls, "off", fail_at=2), "on": fake_measure(66.0, calls, "on")}, 3, 0.5, 1.25))
     assert len(dropped["off"]) == 1 and len(dropped["on"]) == 5

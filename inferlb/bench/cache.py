@@ -23,7 +23,7 @@ seconds (the modes take turns): the sweep's grid alone puts the ratio at LOAD_ST
 Targets: throughput at the SLO (the highest rate with p99 <= SLO, no errors, below every rate that
 missed, sweep and refinement together) on / off >= 1.4 at 30% repeats; a hit answers through Envoy in
 <= 2 ms at p50. Also printed: where p99 crosses the SLO, interpolated between the last rate met and the
-next one missed. Progress on stderr; exit 0 when both targets are met. Takes about 12 minutes
+next one missed. Progress on stderr; exit 0 when both targets are met. Takes 11-15 minutes
 (--refine-steps 0: about 6; --quick, which does not refine: about 2)."""
 
 EPILOG = """\

@@ -4,7 +4,8 @@ workers, control plane, ext_proc and Envoy, the same closed-loop series and the 
 Both stacks stay up for the whole sweep and each rate is measured in both modes back to back (which
 goes first alternates), so a busy spell on the host falls on both modes' figures for that rate rather
 than on one mode's whole sweep: the ratio is what the bench judges. A mode's sweep stops at its first
-rate that misses the SLO; the idle stack costs next to nothing meanwhile.
+rate that misses the SLO; the idle stack costs next to nothing meanwhile. Then each mode's crossing is
+searched again in longer windows (``Crossing``), the modes taking turns.
 
 Off means both levels' ``cache_max_bytes`` are 0 (ext_proc's and the workers'); on, ext_proc's is the
 plan's and the workers keep their default. The sweep's traces have the plan's repeats; each rate's
@@ -67,23 +68,23 @@ def cache_scenario(plan: CachePlan) -> Scenario:
                     workload=workload, fleet=fleet, configurations=(CAPACITY_CONFIGURATION,), pick_policy_loads=())
 
 
+def _rate(plan: CachePlan, scenario: Scenario, rps: float, measured_s: float,
+          salt: int) -> tuple[Trace, list[bytes]]:
+    """One rate's trace (the warm-up, then ``measured_s``) and its bodies, fresh texts salted by ``salt``."""
+    trace = build_trace(scenario.workload, rps, plan.warmup_s + measured_s, plan.seed)
+    return trace, bodies_for(trace.tokens.tolist(), repeat_of=trace.repeat_of.tolist(), salt=salt)
+
+
 def build_sweep(plan: CachePlan, scenario: Scenario, capacity_rps: float) -> Sweep:
     """Every rate's trace and bodies, built once for both modes."""
-    out: Sweep = []
-    for i, load in enumerate(plan.loads(), 1):
-        rps = load * capacity_rps
-        trace = build_trace(scenario.workload, rps, plan.warmup_s + plan.duration_s, plan.seed)
-        out.append((load, rps, trace, bodies_for(trace.tokens.tolist(), repeat_of=trace.repeat_of.tolist(),
-                                                 salt=i)))
-    return out
+    return [(load, load * capacity_rps, *_rate(plan, scenario, load * capacity_rps, plan.duration_s, i))
+            for i, load in enumerate(plan.loads(), 1)]
 
 
 def refine_rate(plan: CachePlan, scenario: Scenario, capacity_rps: float, rps: float,
                 salt: int) -> tuple[float, float, Trace, list[bytes]]:
-    """One refinement rate's trace (``refine_duration_s`` measured) and bodies, as ``build_sweep`` builds them."""
-    trace = build_trace(scenario.workload, rps, plan.warmup_s + plan.refine_duration_s, plan.seed)
-    return (round(rps / capacity_rps, 4), rps, trace,
-            bodies_for(trace.tokens.tolist(), repeat_of=trace.repeat_of.tolist(), salt=REFINE_SALT + salt))
+    """One refinement rate: its load, rate, trace (``refine_duration_s`` measured) and bodies."""
+    return (round(rps / capacity_rps, 4), rps, *_rate(plan, scenario, rps, plan.refine_duration_s, REFINE_SALT + salt))
 
 
 Measure = Callable[[float, int], Awaitable[dict[str, Any] | None]]  # (rps, salt) -> its point; None: failed
@@ -131,7 +132,7 @@ class Crossing:
             self.low, self.high = (rps, self.high) if met else (self.low, rps)
 
 
-async def bisect_crossings(brackets: Mapping[str, tuple[float, float]], measure: Mapping[str, Measure], steps: int,
+async def search_crossings(brackets: Mapping[str, tuple[float, float]], measure: Mapping[str, Measure], steps: int,
                            slo_s: float, step: float) -> dict[str, list[dict[str, Any]]]:
     """Per mode, its crossing searched (``Crossing``: the bracket confirmed, then ``steps`` bisections) with
     ``measure``. The modes take turns, one rate each, as the sweep's rates do (a busy spell on the host
@@ -318,7 +319,7 @@ async def run_cache(plan: CachePlan, out: Path, report: Report) -> dict[str, Any
                     return point
                 return measure
 
-            await bisect_crossings(brackets, {m: measurer(by_mode[m]) for m in brackets}, plan.refine_steps,
+            await search_crossings(brackets, {m: measurer(by_mode[m]) for m in brackets}, plan.refine_steps,
                                    plan.slo_s, plan.load_step)
     return {"capacity_rps": round(capacity, 2), "capacity_source": "the simulated workers' cost model",
             "plan": dataclasses.asdict(plan), **modes, "failures": failures}

@@ -206,8 +206,8 @@ def render(report: Mapping[str, Any]) -> str:
              f"  {'load':>6} {'req/s':>7} | {'off p99 ms':>10} {'err':>4} | {'on p99 ms':>10} {'err':>4} {'hits':>6}"]
     refined = [p for mode in ("off", "on") for p in report[mode].get("refine", [])]
     # a row per (load, refined): a refinement rate may repeat a sweep rate, in its longer window
-    on = {(p["load"], r): p for r, key in ((False, "sweep"), (True, "refine")) for p in report["on"].get(key, [])}
-    off = {(p["load"], r): p for r, key in ((False, "sweep"), (True, "refine")) for p in report["off"].get(key, [])}
+    off, on = ({(p["load"], r): p for r, key in ((False, "sweep"), (True, "refine")) for p in report[mode].get(key, [])}
+               for mode in ("off", "on"))
 
     def cells(p: Mapping[str, Any] | None, hits: bool) -> str:
         if p is None:
