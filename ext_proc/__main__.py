@@ -92,7 +92,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | No
     holder.append(servicer)
     health = HealthReporter(xds)
     grpc_server = await serve_grpc(servicer, health, config.grpc_targets, config.grpc_max_message_bytes,
-                                   config.reuse_port)
+                                   config.reuse_port, config.grpc_front)
     xds.start()
 
     def not_ready() -> str | None:
@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse-port", action="store_true", default=None,
                    help="share the gRPC port with other ext_proc processes (SO_REUSEPORT; give each its own "
                         "--metrics-port or 0)")
+    p.add_argument("--grpc-front", choices=["auto", "native", "grpcio"],
+                   help="the gRPC server: 'native' (gRPC C++, built at install time when libgrpc++ is there: "
+                        "about twice the decisions per CPU-second), 'grpcio' (grpcio's aio server) or 'auto' "
+                        "(default: native when built)")
     p.add_argument("--uds-path", type=Path, metavar="PATH",
                    help="also serve on this Unix domain socket (for an Envoy on the same host: cheaper than "
                         "loopback TCP; default: none)")

@@ -43,6 +43,11 @@ class ExtProcConfig(BaseSettings):
     # SO_REUSEPORT: several ext_proc processes on one port, the kernel spreading Envoy's connections over
     # them (one process is one core: this is how ext_proc scales). Off: a taken port is an error.
     reuse_port: bool = False
+    # The gRPC server under the ExternalProcessor and health services. "native": gRPC C++ on a thread of its
+    # own, handing streams to the loop in batches (about 2x the decisions per CPU-second of grpcio's aio
+    # server, docs/benchmarks.md section 3; built at install time when gRPC C++ is there, see setup.py);
+    # "grpcio": grpcio's aio server; "auto": native when built, else grpcio.
+    grpc_front: Literal["auto", "native", "grpcio"] = "auto"
     # Also serve on this Unix domain socket: for an Envoy on the same host (the sidecar), a pipe costs the
     # kernel less per message than loopback TCP (docs/benchmarks.md section 3). The TCP port stays (health
     # probes, remote Envoys). Each process needs its own path: a socket file is not shared like a port.

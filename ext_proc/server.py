@@ -112,7 +112,7 @@ from .registry import PluginRegistry
 from .response_cache import CachedResponse, ResponseCache
 from .response_cache_redis import RedisResponseCache
 from .routing import Router
-from .spans import start_span
+from .spans import CallContext, start_span
 from .tokens import TokenCounter
 from .wire import PREDICTED_HEADER, PROCESS_METHOD, SERVICE_NAME, TOKENS_HEADER
 from .xds_client import FleetView, PickPolicySpec, ViewSource
@@ -346,7 +346,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             yield pb.ProcessingResponse.FromString(response)
 
     async def process(self, request_iterator: AsyncIterator[bytes | pb.ProcessingRequest],
-                      context: grpc.aio.ServicerContext | None) -> AsyncIterator[bytes]:
+                      context: CallContext | None) -> AsyncIterator[bytes]:
         """One stream: ProcessingRequests (serialised, or messages) in, serialised ProcessingResponses out."""
         stream = _Stream(next(self._keys))
         bind_request(stream)  # this stream's task (and what it starts) logs as this request

@@ -1,17 +1,23 @@
-"""Serving ext_proc's gRPC: the server's options and the grpc.health.v1 status that follows the view."""
+"""Serving ext_proc's gRPC: on the native front or grpcio's, the server's options, and the grpc.health.v1 status
+that follows the view."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from .native_server import NOT_FOUND, Invocation, Messages, NativeServer, StreamAbort, load_front
 from .server import ExtProcServicer
-from .wire import SERVICE_NAME
+from .wire import PROCESS_METHOD, SERVICE_NAME
 from .xds_client import FleetView, ViewSource
+
+log = logging.getLogger(__name__)
 
 
 def server_options(max_message_bytes: int, reuse_port: bool = False) -> list[tuple[str, int]]:
@@ -34,20 +40,31 @@ def server_options(max_message_bytes: int, reuse_port: bool = False) -> list[tup
 # process does; ``readiness``, the ext_proc service and the server ("") follow the view.
 LIVENESS = "liveness"
 READINESS = "readiness"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
+GrpcFront = Literal["auto", "native", "grpcio"]
+
+
+class GrpcServer(Protocol):
+    async def stop(self, grace: float | None) -> None: ...
 
 
 class HealthReporter:
     """grpc.health.v1: NOT_SERVING until the first EDS view, then SERVING; NOT_SERVING while stopping.
-    ``liveness`` is SERVING from the start."""
+    ``liveness`` is SERVING from the start. grpcio's front serves ``servicer``; the native front, ``check``
+    and ``watch`` (grpc.health.v1's semantics, on the same statuses)."""
 
     def __init__(self, source: ViewSource) -> None:
         self.servicer = health_aio.HealthServicer()
+        self.statuses: dict[str, int] = {}
+        self._change: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving = False
+        self._stopping = False
         source.add_listener(self._on_view)
 
     async def start(self, ready: bool) -> None:
-        await self.servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        await self._set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._set_all(health_pb2.HealthCheckResponse.SERVING if ready
                             else health_pb2.HealthCheckResponse.NOT_SERVING)
         self._serving = ready
@@ -61,15 +78,77 @@ class HealthReporter:
 
     async def _set_all(self, status: int) -> None:
         for service in ("", SERVICE_NAME, READINESS):
-            await self.servicer.set(service, status)
+            await self._set(service, status)
+
+    async def _set(self, service: str, status: int) -> None:
+        if self._stopping:
+            return
+        self.statuses[service] = status
+        await self.servicer.set(service, status)
+        self._changed()
+
+    def _changed(self) -> None:
+        change, self._change = self._change, None
+        if change is not None and not change.done():
+            change.set_result(None)
 
     async def stop(self) -> None:
         await self.servicer.enter_graceful_shutdown()
+        self._stopping = True
+        for service in self.statuses:
+            self.statuses[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._changed()
+
+    async def check(self, messages: Messages, invocation: Invocation) -> AsyncIterator[bytes]:
+        """Check on the native front: the service's status, or NOT_FOUND for a service it does not know."""
+        async for raw in messages:
+            service = health_pb2.HealthCheckRequest.FromString(raw).service
+            status = self.statuses.get(service)
+            if status is None:
+                raise StreamAbort(NOT_FOUND, f"unknown service {service!r}")
+            yield health_pb2.HealthCheckResponse(status=status).SerializeToString()
+            return
+
+    async def watch(self, messages: Messages, invocation: Invocation) -> AsyncIterator[bytes]:
+        """Watch on the native front: the status now (SERVICE_UNKNOWN for one it does not know), then each
+        change, until the client goes."""
+        async for raw in messages:
+            service = health_pb2.HealthCheckRequest.FromString(raw).service
+            last = None
+            while True:
+                status = self.statuses.get(service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                if status != last:
+                    yield health_pb2.HealthCheckResponse(status=status).SerializeToString()
+                    last = status
+                if self._change is None:
+                    self._change = asyncio.get_running_loop().create_future()
+                await asyncio.shield(self._change)  # one watcher's cancellation must not cancel the others'
 
 
 async def serve_grpc(servicer: ExtProcServicer, health: HealthReporter, targets: Sequence[str],
-                     max_message_bytes: int, reuse_port: bool = False) -> grpc.aio.Server:
-    """One server on every target (``host:port``, ``unix:/path``): the same servicer behind each."""
+                     max_message_bytes: int, reuse_port: bool = False, front: GrpcFront = "auto") -> GrpcServer:
+    """One server on every target (``host:port``, ``unix:/path``): the same servicer behind each. ``front``:
+    the native front when built (``auto``) or asked for (``native``: an error when not built), else grpcio's."""
+    native = load_front() if front != "grpcio" else None
+    if front == "native" and native is None:
+        raise OSError("ext_proc's native gRPC front is not built: install gRPC C++ (Debian: libgrpc++-dev) and "
+                      "reinstall inferlb, or use grpc_front = \"grpcio\"")
+    server: GrpcServer
+    if native is not None:
+        handlers = {f"/{SERVICE_NAME}/{PROCESS_METHOD}": servicer.process, HEALTH_CHECK: health.check,
+                    HEALTH_WATCH: health.watch}
+        server = NativeServer(native, handlers, targets, max_message_bytes, reuse_port,
+                              with_metadata=servicer.tracing is not None)
+    else:
+        server = await _serve_grpcio(servicer, health, targets, max_message_bytes, reuse_port)
+    log.info("ext_proc's gRPC front", extra={"grpc_front": "native" if native is not None else "grpcio",
+                                             "asked": front})
+    await health.start(ready=servicer.source.view is not None)
+    return server
+
+
+async def _serve_grpcio(servicer: ExtProcServicer, health: HealthReporter, targets: Sequence[str],
+                        max_message_bytes: int, reuse_port: bool) -> grpc.aio.Server:
     server = grpc.aio.server(options=server_options(max_message_bytes, reuse_port))
     servicer.add_to_server(server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
@@ -77,5 +156,4 @@ async def serve_grpc(servicer: ExtProcServicer, health: HealthReporter, targets:
         if server.add_insecure_port(target) == 0:
             raise OSError(f"cannot listen on {target}")
     await server.start()
-    await health.start(ready=servicer.source.view is not None)
     return server

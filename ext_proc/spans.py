@@ -13,9 +13,8 @@ Envoy request -> {Envoy's ext_proc call -> ext_proc decision, Envoy's upstream c
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
-import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from opentelemetry import trace
 
@@ -27,6 +26,13 @@ SPAN_NAME = "ext_proc decision"
 _TRACE_KEYS = (TRACEPARENT_HEADER, "tracestate")
 
 
+class CallContext(Protocol):
+    """What a stream's span reads of its call: its gRPC metadata (grpcio's ServicerContext, the native front's
+    Invocation)."""
+
+    def invocation_metadata(self) -> Sequence[tuple[str, str | bytes]] | None: ...
+
+
 def _from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> dict[str, str]:
     carrier = {}
     for key, value in metadata or ():
@@ -35,7 +41,7 @@ def _from_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> dict[s
     return carrier
 
 
-def start_span(tracing: Tracing, context: grpc.aio.ServicerContext | None, headers: pb.HttpHeaders) -> trace.Span:
+def start_span(tracing: Tracing, context: CallContext | None, headers: pb.HttpHeaders) -> trace.Span:
     """The stream's span, started when its request headers arrive (they name the request)."""
     carrier = _from_metadata(context.invocation_metadata() if context is not None else None)
     if TRACEPARENT_HEADER not in carrier:

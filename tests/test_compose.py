@@ -312,6 +312,19 @@ def test_the_dockerfile_copies_every_package_the_project_installs() -> None:
     assert packages <= copied, packages - copied
 
 
+def test_the_image_builds_ext_procs_native_front_and_carries_its_libraries() -> None:
+    """setup.py compiles the front only where gRPC C++ is: the build stage installs it, and the final stage
+    the run-time library of the same Debian release (the front links against that very version)."""
+    steps = _instructions((ROOT / "Dockerfile").read_text())
+    stages = [i for i, (op, _) in enumerate(steps) if op == "FROM"]
+    build, final = steps[stages[0]:stages[-1]], steps[stages[-1]:]
+    assert any(op == "COPY" and "setup.py" in args.split() for op, args in build)
+    assert any(op == "RUN" and "libgrpc++-dev" in args and "g++" in args.split() for op, args in build)
+    assert any(op == "RUN" and "libgrpc++1.51" in args for op, args in final)
+    bases = {args.split()[0] for op, args in steps if op == "FROM"}
+    assert len(bases) == 1 and bases.pop().endswith("-bookworm"), "both stages on the release libgrpc++1.51 is from"
+
+
 def test_the_readme_says_it_was_validated_not_run() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "validated against the Compose specification's JSON schema, not run" in readme

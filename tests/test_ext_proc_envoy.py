@@ -124,15 +124,17 @@ class Stack:
                  and self.ext_proc.outstanding() == 0, 30, "every worker and ext_proc to be idle", self.procs)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    log_dir = tmp_path_factory.mktemp("ext-proc-envoy")
+@pytest.fixture(scope="module", params=["native", "grpcio"])
+def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    """The stack, once on each of ext_proc's gRPC fronts: every test here holds for both."""
+    log_dir = tmp_path_factory.mktemp(f"ext-proc-envoy-{request.param}")
     ext_proc_port = free_port()
     with ExitStack() as exits:
         workers = exits.enter_context(running_sim_workers(log_dir, 2))
         cp = exits.enter_context(running_control_plane(log_dir, endpoints=[w.id for w in workers],
                                                        ext_proc_port=ext_proc_port))
-        ext_proc = exits.enter_context(running_ext_proc(log_dir, xds_port=cp.xds_port, port=ext_proc_port))
+        ext_proc = exits.enter_context(running_ext_proc(log_dir, xds_port=cp.xds_port, port=ext_proc_port,
+                                                        env={"INFERLB_EXT_PROC_GRPC_FRONT": request.param}))
         envoy = exits.enter_context(running_envoy(log_dir, xds_port=cp.xds_port, node_id="envoy-ext-proc"))
         s = Stack(workers, cp, ext_proc, envoy, ext_proc_port, log_dir, exits)
         ready_through_ext_proc(cp, envoy, ext_proc, s.ids, s.procs)

@@ -39,7 +39,7 @@ from ext_proc.config import load_config
 from ext_proc.metrics import ExtProcMetrics
 from ext_proc.model import EndpointView
 from ext_proc.server import ExtProcServicer, ServiceSettings
-from ext_proc.serving import HealthReporter, serve_grpc
+from ext_proc.serving import GrpcFront, HealthReporter, serve_grpc
 from ext_proc.wire import COUNTED_RESPONSE_HEADER, ENDPOINT_RESPONSE_HEADER
 from ext_proc.tokens import TokenCounter
 from ext_proc.xds_client import (
@@ -65,6 +65,12 @@ def counter() -> TokenCounter:
     return TokenCounter.from_package()
 
 
+@pytest.fixture(params=["native", "grpcio"])
+def grpc_front(request: pytest.FixtureRequest) -> GrpcFront:
+    """Each gRPC test runs on both fronts: the same servicer, the same assertions."""
+    return request.param
+
+
 # --- harness -------------------------------------------------------------------------------------
 
 
@@ -73,6 +79,7 @@ class Harness:
     servicer: ExtProcServicer
     source: StaticViewSource
     channel: grpc.aio.Channel
+    health: HealthReporter
 
     @property
     def stub(self) -> pb_grpc.ExternalProcessorStub:
@@ -80,19 +87,19 @@ class Harness:
 
 
 @asynccontextmanager
-async def serving(counter: TokenCounter, view: FleetView | None = None,
+async def serving(counter: TokenCounter, front: GrpcFront, view: FleetView | None = None,
                   default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
                   settings: ServiceSettings = ServiceSettings(),
                   allow: PolicyAllowlist = PolicyAllowlist()) -> AsyncIterator[Harness]:
-    """The real gRPC server (ExternalProcessor + health) on a free port, and a channel to it."""
+    """The real gRPC server (ExternalProcessor + health) on a free port, on ``front``, and a channel to it."""
     source = StaticViewSource(view)
     servicer = ExtProcServicer.create(settings, source, ExtProcMetrics(), counter, default_policy, allow)
     health = HealthReporter(source)
     target = f"127.0.0.1:{free_port()}"
-    server = await serve_grpc(servicer, health, [target], 8 * 1024 * 1024)
+    server = await serve_grpc(servicer, health, [target], 8 * 1024 * 1024, front=front)
     channel = grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 8 * 1024 * 1024)])
     try:
-        yield Harness(servicer, source, channel)
+        yield Harness(servicer, source, channel, health)
     finally:
         await channel.close()
         await server.stop(None)
@@ -150,12 +157,13 @@ async def until(predicate: Callable[[], T], timeout: float, what: str) -> T:
 # --- the ExternalProcessor --------------------------------------------------------------------------
 
 
-def test_a_body_gets_a_pick_header_metadata_and_its_token_count(counter: TokenCounter, reference: dict) -> None:
+def test_a_body_gets_a_pick_header_metadata_and_its_token_count(counter: TokenCounter, reference: dict,
+        grpc_front: GrpcFront) -> None:
     items = reference["items"][:3]
     expected_tokens = sum(int(item["tokens_with_special"]) for item in items)
 
     async def scenario() -> None:
-        async with serving(counter, static_view([A, B, C])) as h:
+        async with serving(counter, grpc_front, static_view([A, B, C])) as h:
             call = h.stub.Process()
             first = await exchange(call, request_headers())
             assert first.WhichOneof("response") == "request_headers"
@@ -178,9 +186,9 @@ def test_a_body_gets_a_pick_header_metadata_and_its_token_count(counter: TokenCo
     asyncio.run(scenario())
 
 
-def test_a_request_without_a_body_is_picked_at_its_headers(counter: TokenCounter) -> None:
+def test_a_request_without_a_body_is_picked_at_its_headers(counter: TokenCounter, grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, static_view([A, B])) as h:
+        async with serving(counter, grpc_front, static_view([A, B])) as h:
             call = h.stub.Process()
             response = await exchange(call, request_headers(method="GET", end_of_stream=True))
             assert response.WhichOneof("response") == "request_headers"
@@ -197,9 +205,10 @@ def test_a_request_without_a_body_is_picked_at_its_headers(counter: TokenCounter
     [dataclasses.replace(A, healthy=False), dataclasses.replace(B, draining=True)],
 ], ids=["no-endpoints", "unhealthy-and-draining"])
 def test_no_routable_endpoint_is_an_immediate_503_in_openai_shape(counter: TokenCounter,
-                                                                  fleet: list[EndpointView]) -> None:
+                                                                  fleet: list[EndpointView],
+        grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, static_view(fleet)) as h:
+        async with serving(counter, grpc_front, static_view(fleet)) as h:
             call = h.stub.Process()
             await exchange(call, request_headers())
             response = await exchange(call, request_body({"input": "hello"}))
@@ -215,9 +224,10 @@ def test_no_routable_endpoint_is_an_immediate_503_in_openai_shape(counter: Token
     asyncio.run(scenario())
 
 
-def test_a_stream_cancelled_before_the_response_releases_its_outstanding_work(counter: TokenCounter) -> None:
+def test_a_stream_cancelled_before_the_response_releases_its_outstanding_work(counter: TokenCounter,
+        grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, static_view([A, B])) as h:
+        async with serving(counter, grpc_front, static_view([A, B])) as h:
             calls = []
             for _ in range(3):
                 call = h.stub.Process()
@@ -235,9 +245,10 @@ def test_a_stream_cancelled_before_the_response_releases_its_outstanding_work(co
     asyncio.run(scenario())
 
 
-def test_response_headers_feed_the_cost_model_and_release_the_work(counter: TokenCounter) -> None:
+def test_response_headers_feed_the_cost_model_and_release_the_work(counter: TokenCounter,
+        grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, static_view([A])) as h:
+        async with serving(counter, grpc_front, static_view([A])) as h:
             cost = h.servicer.router.cost
             call = h.stub.Process()
             await exchange(call, request_headers())
@@ -264,7 +275,8 @@ def test_response_headers_feed_the_cost_model_and_release_the_work(counter: Toke
     asyncio.run(scenario())
 
 
-def test_a_stream_ended_at_its_response_headers_closes_grpcs_receiver(counter: TokenCounter) -> None:
+def test_a_stream_ended_at_its_response_headers_closes_grpcs_receiver(counter: TokenCounter,
+        grpc_front: GrpcFront) -> None:
     """The servicer ends the stream after the response headers, before Envoy's half-close. grpc's request
     receiver is an async generator: left open, the collector would hand each one to the loop's finalizer
     hook (a wake-up from outside and a task per stream). The servicer closes it itself."""
@@ -279,7 +291,7 @@ def test_a_stream_ended_at_its_response_headers_closes_grpcs_receiver(counter: T
 
         sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=finalizer)
         try:
-            async with serving(counter, static_view([A])) as h:
+            async with serving(counter, grpc_front, static_view([A])) as h:
                 for _ in range(5):
                     call = h.stub.Process()
                     await exchange(call, request_headers())
@@ -296,11 +308,12 @@ def test_a_stream_ended_at_its_response_headers_closes_grpcs_receiver(counter: T
     asyncio.run(scenario())
 
 
-def test_the_host_envoy_reports_as_upstream_is_the_one_that_learns(counter: TokenCounter) -> None:
+def test_the_host_envoy_reports_as_upstream_is_the_one_that_learns(counter: TokenCounter,
+        grpc_front: GrpcFront) -> None:
     """With ``response_attributes: [upstream.address]`` Envoy says which host answered (a retry may
     have moved the request to a fallback): that host's fit learns, and the client is told so."""
     async def scenario() -> None:
-        async with serving(counter, static_view([A, B], PickPolicySpec("round_robin"))) as h:
+        async with serving(counter, grpc_front, static_view([A, B], PickPolicySpec("round_robin"))) as h:
             call = h.stub.Process()
             await exchange(call, request_headers())
             decided = await exchange(call, request_body({"input": "retried elsewhere"}))
@@ -317,18 +330,18 @@ def test_the_host_envoy_reports_as_upstream_is_the_one_that_learns(counter: Toke
     asyncio.run(scenario())
 
 
-def test_a_client_sent_pick_header_is_stripped(counter: TokenCounter) -> None:
+def test_a_client_sent_pick_header_is_stripped(counter: TokenCounter, grpc_front: GrpcFront) -> None:
     forged = {PICK: "10.9.9.9:1", "x-inferlb-tokens": "1"}
 
     async def scenario() -> None:
-        async with serving(counter, static_view([A, B])) as h:
+        async with serving(counter, grpc_front, static_view([A, B])) as h:
             call = h.stub.Process()
             first = await exchange(call, request_headers(forged))
             assert set(first.request_headers.response.header_mutation.remove_headers) == set(forged)
             second = await exchange(call, request_body({"input": "hello"}))
             assert "10.9.9.9" not in set_headers(second.request_body.response.header_mutation)[PICK]
             call.cancel()
-        async with serving(counter, None) as h:  # no view yet: no pick, the forged one still goes
+        async with serving(counter, grpc_front, None) as h:  # no view yet: no pick, the forged one still goes
             call = h.stub.Process()
             first = await exchange(call, request_headers(forged, method="GET", end_of_stream=True))
             mutation = first.request_headers.response.header_mutation
@@ -339,7 +352,7 @@ def test_a_client_sent_pick_header_is_stripped(counter: TokenCounter) -> None:
     asyncio.run(scenario())
 
 
-def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter) -> None:
+def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter, grpc_front: GrpcFront) -> None:
     """Bodies up to Envoy's 4 MiB buffer limit arrive as one gRPC message, and are counted exactly; over
     128 KiB, Envoy is told to wait longer before the count starts."""
     big = "the quick brown fox jumps over the lazy dog " * 70_000  # ~3 MiB, capped at 256 tokens
@@ -347,7 +360,7 @@ def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter) ->
     expected = 256 + counter.count_text("short one")
 
     async def scenario() -> None:
-        async with serving(counter, static_view([A])) as h:
+        async with serving(counter, grpc_front, static_view([A])) as h:
             call = h.stub.Process()
             await exchange(call, request_headers())
             # First Envoy is told to wait longer (override_message_timeout): no race of the count with its timeout
@@ -360,9 +373,10 @@ def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter) ->
     asyncio.run(scenario())
 
 
-def test_the_pick_policy_follows_eds_and_a_bad_spec_keeps_the_current_one(counter: TokenCounter) -> None:
+def test_the_pick_policy_follows_eds_and_a_bad_spec_keeps_the_current_one(counter: TokenCounter,
+        grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, static_view([A, B])) as h:
+        async with serving(counter, grpc_front, static_view([A, B])) as h:
             assert h.servicer.router.policy == "least_completion_time"
             h.source.set(static_view([A, B], PickPolicySpec("round_robin", {"fallbacks": 1.0})))
             assert h.servicer.router.policy == "round_robin"
@@ -388,9 +402,9 @@ def test_the_pick_policy_follows_eds_and_a_bad_spec_keeps_the_current_one(counte
     asyncio.run(scenario())
 
 
-def test_grpc_health_is_serving_once_the_first_view_arrives(counter: TokenCounter) -> None:
+def test_grpc_health_is_serving_once_the_first_view_arrives(counter: TokenCounter, grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, None) as h:
+        async with serving(counter, grpc_front, None) as h:
             health = health_pb2_grpc.HealthStub(h.channel)
             for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -405,6 +419,37 @@ def test_grpc_health_is_serving_once_the_first_view_arrives(counter: TokenCounte
             while not await serving_now():
                 assert asyncio.get_running_loop().time() < deadline, "health never became SERVING"
                 await asyncio.sleep(0.01)
+
+    asyncio.run(scenario())
+
+
+def test_grpc_health_watch_liveness_and_unknown_services_behave_alike_on_both_fronts(
+        counter: TokenCounter, grpc_front: GrpcFront) -> None:
+    """grpc.health.v1 as the EPP's probes use it: Watch streams each change, ``liveness`` is SERVING from the
+    start, an unknown service is NOT_FOUND to Check and SERVICE_UNKNOWN to Watch; stopping turns all NOT_SERVING."""
+    status = health_pb2.HealthCheckResponse
+
+    async def scenario() -> None:
+        async with serving(counter, grpc_front, None) as h:
+            health = health_pb2_grpc.HealthStub(h.channel)
+            assert (await health.Check(health_pb2.HealthCheckRequest(service="liveness"))).status == status.SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await health.Check(health_pb2.HealthCheckRequest(service="nope"))
+            assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+            watch = health.Watch(health_pb2.HealthCheckRequest(service="readiness"))
+            assert (await watch.read()).status == status.NOT_SERVING
+            h.source.set(static_view([A]))
+            assert (await asyncio.wait_for(watch.read(), 10)).status == status.SERVING
+            unknown_watch = health.Watch(health_pb2.HealthCheckRequest(service="nope"))
+            assert (await unknown_watch.read()).status == status.SERVICE_UNKNOWN
+            unknown_watch.cancel()
+            method = h.channel.unary_unary("/envoy.service.ext_proc.v3.ExternalProcessor/Nope", None, None)
+            with pytest.raises(grpc.aio.AioRpcError) as unimplemented:
+                await method(b"")
+            assert unimplemented.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            await h.health.stop()
+            assert (await asyncio.wait_for(watch.read(), 10)).status == status.NOT_SERVING
+            watch.cancel()
 
     asyncio.run(scenario())
 
@@ -634,9 +679,9 @@ def test_each_replica_learns_its_index_from_the_controllers_list_of_connected_ex
     asyncio.run(scenario())
 
 
-def test_the_servicer_hands_the_views_partition_to_its_picker(counter: TokenCounter) -> None:
+def test_the_servicer_hands_the_views_partition_to_its_picker(counter: TokenCounter, grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, static_view([A, B])) as h:
+        async with serving(counter, grpc_front, static_view([A, B])) as h:
             assert h.servicer.router.partition.partition == (0, 1)
             h.source.set(dataclasses.replace(static_view([A, B]), partition=(2, 3)))
             assert h.servicer.router.partition.partition == (2, 3)
