@@ -17,7 +17,7 @@ export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 # again, last, at the version pip resolved (tests/test_tracing.py checks the installed one is complete).
 OTEL_PROTO_VERSION := import importlib.metadata as m; print(m.version('opentelemetry-proto'))
 
-.PHONY: up test venv model system-deps apt-install bench bench-routing soak clean help
+.PHONY: up test venv model native system-deps apt-install bench bench-routing soak clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -31,6 +31,11 @@ $(STAMP): pyproject.toml setup.py ext_proc/native/front.cc
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(PY) -c "$(OTEL_PROTO_VERSION)")"
 	@touch $@
+
+# ext_proc's native gRPC front, when gRPC C++ arrived after the venv was made (setup.py builds it at install).
+native: $(STAMP)  ## (re)build ext_proc's native gRPC front if gRPC C++ is installed and the front is not built
+	@if pkg-config --exists grpc++ 2>/dev/null && ! $(PY) -c "import ext_proc._native_front" 2>/dev/null; then \
+		echo "building ext_proc's native gRPC front"; $(PY) -m pip install -q --no-deps -e .; fi
 
 system-deps:  ## install the Debian packages the tests need
 	@$(MAKE) --no-print-directory apt-install PACKAGES="$(APT_PACKAGES)"
@@ -49,7 +54,7 @@ model: $(STAMP)  ## convert the packaged weights to ONNX (fp32 + int8), cached i
 up: model  ## run the local stack
 	$(VENV)/bin/inferlb up
 
-test: system-deps model  ## the import contracts, then the whole test suite
+test: system-deps model native  ## the import contracts, then the whole test suite
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest
 

@@ -93,6 +93,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | No
     health = HealthReporter(xds)
     grpc_server = await serve_grpc(servicer, health, config.grpc_targets, config.grpc_max_message_bytes,
                                    config.reuse_port, config.grpc_front)
+    metrics.grpc_front = grpc_server.front
     xds.start()
 
     def not_ready() -> str | None:
@@ -121,6 +122,7 @@ async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | No
         "node_cluster": config.node_cluster, "pick_policy": config.pick_policy,
         "require_api_keys": config.require_api_keys, "quota_store": redacted_url(config.quota_store),
         "cache_store": redacted_url(config.cache_store), "tracing": tracing is not None,
+        "grpc_front": grpc_server.front,
     })
     stopper = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -165,6 +165,11 @@ class _HotCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         m = self._m
+        if m.grpc_front:
+            front = GaugeMetricFamily(f"{PREFIX}grpc_front", "The gRPC server under ExternalProcessor (value 1): "
+                                      "native (gRPC C++) or grpcio (its aio server).", labels=["front"])
+            front.add_metric([m.grpc_front], 1)
+            yield front
         decisions = CounterMetricFamily(f"{PREFIX}decisions", "Picks made, by policy and primary endpoint.",
                                         labels=["policy", "endpoint"])
         for (policy, endpoint), value in sorted(m.decision_counts.items()):
@@ -207,6 +212,7 @@ class ExtProcMetrics:
         ProcessCollector(registry=r)
         if live is not None:
             r.register(_LiveCollector(live))
+        self.grpc_front: str | None = None  # set once the gRPC server is up
         # Hot path: decisions by (policy, endpoint), the decision-time histogram, and the one-label counters.
         self.decision_counts: dict[tuple[str, str], int] = {}
         self._bounds = DECISION_BUCKETS

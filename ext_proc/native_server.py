@@ -109,6 +109,8 @@ class NativeServer:
     Unknown methods end UNIMPLEMENTED. A handler's StreamAbort ends its stream with that status; any other
     exception is logged and ends it UNKNOWN. A stream the client cancels or resets cancels its task."""
 
+    front = "native"
+
     def __init__(self, front: ModuleType, handlers: Mapping[str, Handler], targets: Sequence[str],
                  max_message_bytes: int, reuse_port: bool = False, with_metadata: bool = False) -> None:
         self._kinds = front

@@ -46,7 +46,21 @@ GrpcFront = Literal["auto", "native", "grpcio"]
 
 
 class GrpcServer(Protocol):
+    front: str  # "native" or "grpcio"
+
     async def stop(self, grace: float | None) -> None: ...
+
+
+class _GrpcioServer:
+    """grpcio's aio server as a GrpcServer."""
+
+    front = "grpcio"
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    async def stop(self, grace: float | None) -> None:
+        await self.server.stop(grace)
 
 
 class HealthReporter:
@@ -141,14 +155,13 @@ async def serve_grpc(servicer: ExtProcServicer, health: HealthReporter, targets:
                               with_metadata=servicer.tracing is not None)
     else:
         server = await _serve_grpcio(servicer, health, targets, max_message_bytes, reuse_port)
-    log.info("ext_proc's gRPC front", extra={"grpc_front": "native" if native is not None else "grpcio",
-                                             "asked": front})
+    log.info("ext_proc's gRPC front", extra={"grpc_front": server.front, "asked": front})
     await health.start(ready=servicer.source.view is not None)
     return server
 
 
 async def _serve_grpcio(servicer: ExtProcServicer, health: HealthReporter, targets: Sequence[str],
-                        max_message_bytes: int, reuse_port: bool) -> grpc.aio.Server:
+                        max_message_bytes: int, reuse_port: bool) -> _GrpcioServer:
     server = grpc.aio.server(options=server_options(max_message_bytes, reuse_port))
     servicer.add_to_server(server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
@@ -156,4 +169,4 @@ async def _serve_grpcio(servicer: ExtProcServicer, health: HealthReporter, targe
         if server.add_insecure_port(target) == 0:
             raise OSError(f"cannot listen on {target}")
     await server.start()
-    return server
+    return _GrpcioServer(server)

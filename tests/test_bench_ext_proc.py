@@ -23,7 +23,7 @@ from inferlb.bench.dataplanes.envoy_static import _manager, static_bootstrap
 from inferlb.bench.ext_proc_bench.command import QUICK, settle
 from inferlb.bench.ext_proc_bench.grpc_load import grpc_drive
 from inferlb.bench.ext_proc_bench.overhead import generator_kept_up, summarise
-from inferlb.bench.ext_proc_bench.report import targets
+from inferlb.bench.ext_proc_bench.report import report, targets
 from inferlb.bench.ext_proc_bench.stack import ext_proc_filter_stats, fake_worker, static_envoy, trivial_servicer
 from inferlb.bench.ext_proc_bench.workload import cycled, make_bodies, schedule
 from inferlb.bench.loadgen import LoadOutcome
@@ -85,6 +85,37 @@ def test_targets_prefer_the_pinned_grpc_figure() -> None:
     assert t[">= 4000 decisions/s on one core"] == {"value": "4100/s at 0.98 cores = 4200 per CPU-second",
                                                     "met": True}
     assert targets({})[">= 4000 decisions/s on one core"]["met"] is None
+
+
+def test_the_report_sets_the_native_front_beside_grpcios_in_the_same_run() -> None:
+    def entry(per_cpu_s: float) -> dict:
+        return {"per_s": per_cpu_s / 2, "per_cpu_s": per_cpu_s, "cores": {"server": 0.5, "client": 1.0}}
+
+    direct = {"ext_proc_front": "native", "ext_proc_tcp": entry(5000.0), "ext_proc_grpcio_tcp": entry(2500.0),
+              "ext_proc_uds": entry(5400.0), "ext_proc_grpcio_uds": entry(2700.0), "trivial_tcp": entry(4000.0)}
+    results = {"machine": {"cpus": 2, "loadavg_start": [0.5], "loadavg_end": [0.5]}, "saturation_grpc": direct}
+    args = build_parser().parse_args(["bench", "ext-proc", "--quick"])
+    settle(args)
+    lines: list[str] = []
+    report(results, args, lines.append)
+    text = "\n".join(lines)
+    assert "ext_proc alone (on its native front)" in text
+    assert "ext_proc on grpcio's front over TCP" in text and "2500 per CPU-second" in text
+    assert "native front / grpcio's, over TCP (same run): 2.00" in text
+    assert "native front / grpcio's, over UDS (same run): 2.00" in text
+    assert "the trivial servicer's over TCP (same run): 1.25" in text
+
+
+def test_the_bench_reads_ext_procs_front_from_its_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from ext_proc.metrics import ExtProcMetrics
+    from inferlb.bench.dataplanes.launch import grpc_front
+
+    metrics = ExtProcMetrics()
+    assert grpc_front(generate_latest(metrics.registry).decode()) is None  # not serving yet
+    metrics.grpc_front = "native"
+    assert grpc_front(generate_latest(metrics.registry).decode()) == "native"
 
 
 def test_quick_mode_and_options_parse() -> None:

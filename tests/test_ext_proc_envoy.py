@@ -105,6 +105,7 @@ class Stack:
     ext_proc_port: int
     log_dir: Path
     exits: ExitStack
+    front: str
 
     @property
     def port(self) -> int:
@@ -136,9 +137,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
         ext_proc = exits.enter_context(running_ext_proc(log_dir, xds_port=cp.xds_port, port=ext_proc_port,
                                                         env={"INFERLB_EXT_PROC_GRPC_FRONT": request.param}))
         envoy = exits.enter_context(running_envoy(log_dir, xds_port=cp.xds_port, node_id="envoy-ext-proc"))
-        s = Stack(workers, cp, ext_proc, envoy, ext_proc_port, log_dir, exits)
+        s = Stack(workers, cp, ext_proc, envoy, ext_proc_port, log_dir, exits, request.param)
         ready_through_ext_proc(cp, envoy, ext_proc, s.ids, s.procs)
         yield s
+
+
+def test_ext_proc_serves_on_the_front_it_was_given_and_says_which(stack: Stack) -> None:
+    assert sample(stack.ext_proc.metrics(), "inferlb_ext_proc_grpc_front", front=stack.front) == 1
 
 
 # --- (a) size-aware: a short request does not queue behind a long one -------------------------------

@@ -87,10 +87,10 @@ class Harness:
 
 
 @asynccontextmanager
-async def serving(counter: TokenCounter, front: GrpcFront, view: FleetView | None = None,
+async def serving(counter: TokenCounter, view: FleetView | None = None,
                   default_policy: PickPolicySpec = PickPolicySpec("least_completion_time"),
                   settings: ServiceSettings = ServiceSettings(),
-                  allow: PolicyAllowlist = PolicyAllowlist()) -> AsyncIterator[Harness]:
+                  allow: PolicyAllowlist = PolicyAllowlist(), front: GrpcFront = "auto") -> AsyncIterator[Harness]:
     """The real gRPC server (ExternalProcessor + health) on a free port, on ``front``, and a channel to it."""
     source = StaticViewSource(view)
     servicer = ExtProcServicer.create(settings, source, ExtProcMetrics(), counter, default_policy, allow)
@@ -163,7 +163,7 @@ def test_a_body_gets_a_pick_header_metadata_and_its_token_count(counter: TokenCo
     expected_tokens = sum(int(item["tokens_with_special"]) for item in items)
 
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A, B, C])) as h:
+        async with serving(counter, static_view([A, B, C]), front=grpc_front) as h:
             call = h.stub.Process()
             first = await exchange(call, request_headers())
             assert first.WhichOneof("response") == "request_headers"
@@ -188,7 +188,7 @@ def test_a_body_gets_a_pick_header_metadata_and_its_token_count(counter: TokenCo
 
 def test_a_request_without_a_body_is_picked_at_its_headers(counter: TokenCounter, grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A, B])) as h:
+        async with serving(counter, static_view([A, B]), front=grpc_front) as h:
             call = h.stub.Process()
             response = await exchange(call, request_headers(method="GET", end_of_stream=True))
             assert response.WhichOneof("response") == "request_headers"
@@ -208,7 +208,7 @@ def test_no_routable_endpoint_is_an_immediate_503_in_openai_shape(counter: Token
                                                                   fleet: list[EndpointView],
         grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view(fleet)) as h:
+        async with serving(counter, static_view(fleet), front=grpc_front) as h:
             call = h.stub.Process()
             await exchange(call, request_headers())
             response = await exchange(call, request_body({"input": "hello"}))
@@ -227,7 +227,7 @@ def test_no_routable_endpoint_is_an_immediate_503_in_openai_shape(counter: Token
 def test_a_stream_cancelled_before_the_response_releases_its_outstanding_work(counter: TokenCounter,
         grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A, B])) as h:
+        async with serving(counter, static_view([A, B]), front=grpc_front) as h:
             calls = []
             for _ in range(3):
                 call = h.stub.Process()
@@ -248,7 +248,7 @@ def test_a_stream_cancelled_before_the_response_releases_its_outstanding_work(co
 def test_response_headers_feed_the_cost_model_and_release_the_work(counter: TokenCounter,
         grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A])) as h:
+        async with serving(counter, static_view([A]), front=grpc_front) as h:
             cost = h.servicer.router.cost
             call = h.stub.Process()
             await exchange(call, request_headers())
@@ -291,7 +291,7 @@ def test_a_stream_ended_at_its_response_headers_closes_grpcs_receiver(counter: T
 
         sys.set_asyncgen_hooks(firstiter=hooks.firstiter, finalizer=finalizer)
         try:
-            async with serving(counter, grpc_front, static_view([A])) as h:
+            async with serving(counter, static_view([A]), front=grpc_front) as h:
                 for _ in range(5):
                     call = h.stub.Process()
                     await exchange(call, request_headers())
@@ -313,7 +313,7 @@ def test_the_host_envoy_reports_as_upstream_is_the_one_that_learns(counter: Toke
     """With ``response_attributes: [upstream.address]`` Envoy says which host answered (a retry may
     have moved the request to a fallback): that host's fit learns, and the client is told so."""
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A, B], PickPolicySpec("round_robin"))) as h:
+        async with serving(counter, static_view([A, B], PickPolicySpec("round_robin")), front=grpc_front) as h:
             call = h.stub.Process()
             await exchange(call, request_headers())
             decided = await exchange(call, request_body({"input": "retried elsewhere"}))
@@ -334,14 +334,14 @@ def test_a_client_sent_pick_header_is_stripped(counter: TokenCounter, grpc_front
     forged = {PICK: "10.9.9.9:1", "x-inferlb-tokens": "1"}
 
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A, B])) as h:
+        async with serving(counter, static_view([A, B]), front=grpc_front) as h:
             call = h.stub.Process()
             first = await exchange(call, request_headers(forged))
             assert set(first.request_headers.response.header_mutation.remove_headers) == set(forged)
             second = await exchange(call, request_body({"input": "hello"}))
             assert "10.9.9.9" not in set_headers(second.request_body.response.header_mutation)[PICK]
             call.cancel()
-        async with serving(counter, grpc_front, None) as h:  # no view yet: no pick, the forged one still goes
+        async with serving(counter, None, front=grpc_front) as h:  # no view yet: no pick, the forged one still goes
             call = h.stub.Process()
             first = await exchange(call, request_headers(forged, method="GET", end_of_stream=True))
             mutation = first.request_headers.response.header_mutation
@@ -360,7 +360,7 @@ def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter, gr
     expected = 256 + counter.count_text("short one")
 
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A])) as h:
+        async with serving(counter, static_view([A]), front=grpc_front) as h:
             call = h.stub.Process()
             await exchange(call, request_headers())
             # First Envoy is told to wait longer (override_message_timeout): no race of the count with its timeout
@@ -376,7 +376,7 @@ def test_a_body_too_big_for_the_loop_is_counted_off_it(counter: TokenCounter, gr
 def test_the_pick_policy_follows_eds_and_a_bad_spec_keeps_the_current_one(counter: TokenCounter,
         grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A, B])) as h:
+        async with serving(counter, static_view([A, B]), front=grpc_front) as h:
             assert h.servicer.router.policy == "least_completion_time"
             h.source.set(static_view([A, B], PickPolicySpec("round_robin", {"fallbacks": 1.0})))
             assert h.servicer.router.policy == "round_robin"
@@ -404,7 +404,7 @@ def test_the_pick_policy_follows_eds_and_a_bad_spec_keeps_the_current_one(counte
 
 def test_grpc_health_is_serving_once_the_first_view_arrives(counter: TokenCounter, grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, grpc_front, None) as h:
+        async with serving(counter, None, front=grpc_front) as h:
             health = health_pb2_grpc.HealthStub(h.channel)
             for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
@@ -430,7 +430,7 @@ def test_grpc_health_watch_liveness_and_unknown_services_behave_alike_on_both_fr
     status = health_pb2.HealthCheckResponse
 
     async def scenario() -> None:
-        async with serving(counter, grpc_front, None) as h:
+        async with serving(counter, None, front=grpc_front) as h:
             health = health_pb2_grpc.HealthStub(h.channel)
             assert (await health.Check(health_pb2.HealthCheckRequest(service="liveness"))).status == status.SERVING
             with pytest.raises(grpc.aio.AioRpcError) as unknown:
@@ -681,7 +681,7 @@ def test_each_replica_learns_its_index_from_the_controllers_list_of_connected_ex
 
 def test_the_servicer_hands_the_views_partition_to_its_picker(counter: TokenCounter, grpc_front: GrpcFront) -> None:
     async def scenario() -> None:
-        async with serving(counter, grpc_front, static_view([A, B])) as h:
+        async with serving(counter, static_view([A, B]), front=grpc_front) as h:
             assert h.servicer.router.partition.partition == (0, 1)
             h.source.set(dataclasses.replace(static_view([A, B]), partition=(2, 3)))
             assert h.servicer.router.partition.partition == (2, 3)

@@ -159,15 +159,9 @@ def plan_data_plane(
     ext_proc_metrics_url = None
     if with_ext_proc:
         ext_proc_metrics_url = f"http://127.0.0.1:{ports.ext_proc_metrics}"
-        argv = [python, "-m", "ext_proc", "--port", str(ports.ext_proc), "--metrics-port",
-                str(ports.ext_proc_metrics), "--xds-port", str(ports.xds), "--log-level", "warning"]
-        if pick:
-            argv += ["--pick-policy", pick]
-        if ext_proc_uds:
-            argv += ["--uds-path", str(ext_proc_uds)]
-        env = child_env({"INFERLB_DATA_DIR": str(cp_data), EXT_PROC_CACHE_ENV: "0"})
-        second.insert(0, Component(name="ext_proc", argv=argv, ready_url=f"{ext_proc_metrics_url}/readyz",
-                                   log_path=logs / "ext_proc.log", env=env, ready_timeout_s=60.0))
+        second.insert(0, ext_proc_component("ext_proc", port=ports.ext_proc, metrics_port=ports.ext_proc_metrics,
+                                            xds_port=ports.xds, logs=logs, data_dir=cp_data, python=python,
+                                            pick=pick, uds=ext_proc_uds))
     return DataPlanePlan(configuration, url, {bootstrap: text}, ((control_plane,), tuple(second)),
                          envoy_admin_url=envoy_admin_url, control_plane_url=cp_url,
                          ext_proc_metrics_url=ext_proc_metrics_url, admin_token=token, pick_policy=pick,
@@ -177,5 +171,26 @@ def plan_data_plane(
                                 **({"pick_policy": pick} if pick else {})})
 
 
-__all__ = ["DataPlanePlan", "DataPlanePorts", "INFERENCE_PATH", "WORKERS_CLUSTER",
+def ext_proc_component(name: str, *, port: int, metrics_port: int, xds_port: int, logs: Path, data_dir: Path,
+                       python: str = sys.executable, pick: str | None = None, uds: Path | None = None,
+                       grpc_front: str | None = None, node_id: str | None = None) -> Component:
+    """``python -m ext_proc`` as a bench runs it: gRPC on ``port`` (and ``uds``), ready when its ``/readyz``
+    says so, the gateway cache off (a balancer comparison measures the balancer); ``grpc_front`` and
+    ``node_id``: ext_proc's own defaults unless given."""
+    argv = [python, "-m", "ext_proc", "--port", str(port), "--metrics-port", str(metrics_port),
+            "--xds-port", str(xds_port), "--log-level", "warning"]
+    if pick:
+        argv += ["--pick-policy", pick]
+    if uds:
+        argv += ["--uds-path", str(uds)]
+    if grpc_front:
+        argv += ["--grpc-front", grpc_front]
+    if node_id:
+        argv += ["--node-id", node_id]
+    env = child_env({"INFERLB_DATA_DIR": str(data_dir), EXT_PROC_CACHE_ENV: "0"})
+    return Component(name=name, argv=argv, ready_url=f"http://127.0.0.1:{metrics_port}/readyz",
+                     log_path=logs / f"{name}.log", env=env, ready_timeout_s=60.0)
+
+
+__all__ = ["DataPlanePlan", "DataPlanePorts", "ext_proc_component", "INFERENCE_PATH", "WORKERS_CLUSTER",
            "known_configuration", "plan_data_plane"]

@@ -33,6 +33,12 @@ def pick_decisions(metrics_text: str) -> dict[str, int]:
             sums_by_label(metrics_text, "inferlb_ext_proc_decisions_total", "policy").items()}
 
 
+def grpc_front(metrics_text: str) -> str | None:
+    """The gRPC front ext_proc serves on (``inferlb_ext_proc_grpc_front{front}``), None when it does not say."""
+    fronts = sums_by_label(metrics_text, "inferlb_ext_proc_grpc_front", "front")
+    return next((front for front, value in fronts.items() if value), None)
+
+
 async def _check_config(argv: Sequence[str], configuration: str) -> None:
     process = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
                                                    stderr=asyncio.subprocess.STDOUT)

@@ -42,7 +42,9 @@ Phases:
     simulated worker really answered for that body), ext_proc pinned to one
     core and the client to the other: decisions/s and decisions per ext_proc
     CPU-second ("on one core"); the same for the trivial servicer, the floor
-    to compare against in the same run.
+    to compare against in the same run, and, when the stack's ext_proc runs
+    on its native gRPC front, for a second ext_proc on grpcio's aio server
+    (`--grpc-front grpcio`, same control plane): the front it replaced.
  4. Profile (by default only when a target is missed): `perf record` of
     ext_proc under that load (CPU by shared object: interpreter, grpc core,
     kernel, tokenizers...), then ext_proc under cProfile (`python -m

@@ -12,12 +12,16 @@ import collections
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from ..processes import ProcessGroup
+from ...supervisor import Component
+from ..dataplanes import ext_proc_component
+from ..processes import ProcessGroup, free_port
 from .cpu import CpuMeter, pinned
 from .stack import Log, Stack, decisions, trivial_servicer, trivial_uds
 from .workload import PATH
@@ -140,22 +144,55 @@ async def measure_direct(name: str, target: str, pid: int, client: httpx.AsyncCl
 TRANSPORTS = ("tcp", "uds")
 
 
+@dataclass(frozen=True)
+class GrpcioExtProc:
+    """A second ext_proc, on grpcio's aio server: the front the native one replaced, measured alongside."""
+
+    component: Component
+    port: int
+    uds: Path
+    metrics_url: str
+
+    def target(self, transport: str) -> str:
+        return f"unix:{self.uds}" if transport == "uds" else f"127.0.0.1:{self.port}"
+
+
+def grpcio_ext_proc(st: Stack) -> GrpcioExtProc:
+    port, metrics_port = free_port(), free_port()
+    uds = st.log_dir / "ext_proc_grpcio.sock"
+    component = ext_proc_component("ext_proc-grpcio", port=port, metrics_port=metrics_port, xds_port=st.xds_port,
+                                   logs=st.log_dir, data_dir=st.log_dir / "ext_proc-grpcio-data", uds=uds,
+                                   grpc_front="grpcio", node_id="bench-ext-proc-grpcio")
+    return GrpcioExtProc(component, port, uds, f"http://127.0.0.1:{metrics_port}")
+
+
 async def direct_phase(args: Any, st: Stack, messages: Messages, log: Log) -> dict[str, Any]:
-    """ext_proc and the trivial servicer, each over loopback TCP and over its Unix socket, alternating so
-    that a neighbour's load falls on both. ``ext_proc`` and ``trivial``: the stack's own transport."""
-    out: dict[str, Any] = {}
+    """ext_proc, ext_proc on grpcio's front (when the stack's runs on the native one) and the trivial
+    servicer, each over loopback TCP and over its Unix socket, alternating so that a neighbour's load falls
+    on all. ``ext_proc`` and ``trivial``: the stack's own transport."""
+    out: dict[str, Any] = {"ext_proc_front": st.ext_proc_front}
     async with ProcessGroup() as group:
         trivial: tuple[int, str] | None = None
         if args.floor_seconds > 0:
             component, port = trivial_servicer(st.log_dir)
             await group.start([component])
             trivial = (group.pid(component.name), port)
+        other: GrpcioExtProc | None = None
+        if st.ext_proc_front == "native":  # the same ext_proc on grpcio's front, on the same control plane
+            other = grpcio_ext_proc(st)
+            await group.start([other.component])
         for transport in TRANSPORTS:
             target = st.ext_proc_target(transport)
             await grpc_drive(target, messages, args.grpc_streams, 1.0)  # warm the client's code paths
             out[f"ext_proc_{transport}"] = await measure_direct(
                 f"ext_proc, 3 messages/request, {transport.upper()}", target, st.pid("ext_proc"), st.client,
                 st.ext_proc_metrics_url, messages, args.grpc_streams, args.grpc_seconds, log)
+            if other is not None:
+                target = other.target(transport)
+                await grpc_drive(target, messages, args.grpc_streams, 1.0)
+                out[f"ext_proc_grpcio_{transport}"] = await measure_direct(
+                    f"ext_proc on grpcio's front, {transport.upper()}", target, group.pid(other.component.name),
+                    st.client, other.metrics_url, messages, args.grpc_streams, args.grpc_seconds, log)
             if trivial is not None:
                 pid, port = trivial
                 target = f"unix:{trivial_uds(st.log_dir)}" if transport == "uds" else f"127.0.0.1:{port}"

@@ -11,6 +11,8 @@ TARGET_ADDED_P50_RATE = 500
 TARGET_DECISIONS_PER_S = 4000.0
 DIRECT_ROWS = (("ext_proc_tcp", "ext_proc over TCP (real token counting)"),
                ("ext_proc_uds", "ext_proc over UDS (real token counting)"),
+               ("ext_proc_grpcio_tcp", "ext_proc on grpcio's front over TCP"),
+               ("ext_proc_grpcio_uds", "ext_proc on grpcio's front over UDS"),
                ("trivial_tcp", "trivial grpcio aio servicer over TCP"),
                ("trivial_uds", "trivial grpcio aio servicer over UDS"))
 
@@ -69,8 +71,8 @@ def report(results: dict[str, Any], args: Any, log: Log) -> None:
                 "ext_proc answers the body, so override_host never sees the pick: a floor, not an option.")
     direct = results.get("saturation_grpc", {})
     if direct:
-        log("ext_proc alone: a gRPC client playing Envoy's 3 messages per request; server pinned to one core, "
-            "client on the other:")
+        log(f"ext_proc alone (on its {direct.get('ext_proc_front', 'grpcio')} front): a gRPC client playing Envoy's "
+            "3 messages per request; server pinned to one core, client on the other:")
         for key, label in DIRECT_ROWS:
             if key in direct:
                 e = direct[key]
@@ -81,6 +83,11 @@ def report(results: dict[str, Any], args: Any, log: Log) -> None:
             if x and t and t.get("per_cpu_s"):
                 log(f"  ext_proc per CPU-second / the trivial servicer's over {transport.upper()} (same run): "
                     f"{(x['per_cpu_s'] or 0) / t['per_cpu_s']:.2f}")
+        for transport in ("tcp", "uds"):
+            x, g = direct.get(f"ext_proc_{transport}"), direct.get(f"ext_proc_grpcio_{transport}")
+            if x and g and g.get("per_cpu_s"):
+                log(f"  ext_proc per CPU-second, native front / grpcio's, over {transport.upper()} (same run): "
+                    f"{(x['per_cpu_s'] or 0) / g['per_cpu_s']:.2f}")
         tcp, uds = direct.get("ext_proc_tcp"), direct.get("ext_proc_uds")
         if tcp and uds and tcp.get("per_cpu_s"):
             log(f"  ext_proc over UDS / over TCP, per CPU-second: {(uds['per_cpu_s'] or 0) / tcp['per_cpu_s']:.2f}")

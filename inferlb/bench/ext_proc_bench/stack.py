@@ -25,7 +25,7 @@ from ...bootstrap import envoy_startup_stats_url
 from ...supervisor import Component
 from ..dataplanes import DataPlanePorts, plan_data_plane
 from ..dataplanes.envoy_static import bootstrap_dict, static_bootstrap
-from ..dataplanes.launch import healthy_hosts, pick_decisions, start_data_plane
+from ..dataplanes.launch import grpc_front, healthy_hosts, pick_decisions, start_data_plane
 from ..fleet import FLEET_GROUP, HOST, child_env
 from ..processes import ProcessGroup, free_port
 from .workload import PATH
@@ -121,6 +121,7 @@ class Stack:
     xds_port: int
     ext_proc_uds: Path  # ext_proc listens here too, whatever the stack's Envoy uses
     transport: str  # how the stack's Envoy reaches ext_proc: "uds" or "tcp"
+    ext_proc_front: str  # the gRPC front ext_proc runs on ("auto" picks it): "native" or "grpcio"
 
     def ext_proc_target(self, transport: str) -> str:
         """ext_proc's gRPC address for a client: its Unix socket or its TCP port."""
@@ -189,7 +190,12 @@ async def start_stack(group: ProcessGroup, client: httpx.AsyncClient, args: Any,
     assert plan.envoy_admin_url is not None and plan.ext_proc_metrics_url is not None
     return Stack(log_dir, group, client, envoy, [f"http://{w}" for w in worker_ids], dp.ext_proc,
                  plan.ext_proc_metrics_url, dp.listener, plan.envoy_admin_url, baseline.listener_port, dp.xds,
-                 uds, args.transport)
+                 uds, args.transport, await serving_front(client, plan.ext_proc_metrics_url))
+
+
+async def serving_front(client: httpx.AsyncClient, metrics_url: str) -> str:
+    """The gRPC front the stack's ext_proc says it serves on ("native" or "grpcio")."""
+    return grpc_front((await client.get(f"{metrics_url}/metrics")).text) or "grpcio"
 
 
 async def _all_healthy(client: httpx.AsyncClient, admin_url: str, worker_ids: Sequence[str]) -> bool:
