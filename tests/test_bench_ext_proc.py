@@ -24,7 +24,9 @@ from inferlb.bench.ext_proc_bench.command import QUICK, settle
 from inferlb.bench.ext_proc_bench.grpc_load import grpc_drive
 from inferlb.bench.ext_proc_bench.overhead import generator_kept_up, summarise
 from inferlb.bench.ext_proc_bench.report import report, targets
-from inferlb.bench.ext_proc_bench.stack import ext_proc_filter_stats, fake_worker, static_envoy, trivial_servicer
+from inferlb.bench.ext_proc_bench.stack import (
+    ext_proc_filter_stats, fake_worker, static_envoy, trivial_servicer, trivial_uds,
+)
 from inferlb.bench.ext_proc_bench.workload import cycled, make_bodies, schedule
 from inferlb.bench.loadgen import LoadOutcome
 from inferlb.bench.processes import ProcessGroup
@@ -91,9 +93,10 @@ def test_the_report_sets_the_native_front_beside_grpcios_in_the_same_run() -> No
     def entry(per_cpu_s: float) -> dict:
         return {"per_s": per_cpu_s / 2, "per_cpu_s": per_cpu_s, "cores": {"server": 0.5, "client": 1.0}}
 
-    direct = {"ext_proc_front": "native", "ext_proc_tcp": entry(5000.0), "ext_proc_grpcio_tcp": entry(2500.0),
+    direct = {"ext_proc_tcp": entry(5000.0), "ext_proc_grpcio_tcp": entry(2500.0),
               "ext_proc_uds": entry(5400.0), "ext_proc_grpcio_uds": entry(2700.0), "trivial_tcp": entry(4000.0)}
-    results = {"machine": {"cpus": 2, "loadavg_start": [0.5], "loadavg_end": [0.5]}, "saturation_grpc": direct}
+    results = {"machine": {"cpus": 2, "loadavg_start": [0.5], "loadavg_end": [0.5]}, "saturation_grpc": direct,
+               "ext_proc_front": "native"}
     args = build_parser().parse_args(["bench", "ext-proc", "--quick"])
     settle(args)
     lines: list[str] = []
@@ -194,12 +197,48 @@ def _messages(body: bytes) -> list[tuple[bytes, bytes, bytes]]:
     return [(headers, request_body, response)]
 
 
-def test_the_trivial_servicer_answers_envoys_three_messages(tmp_path: Path) -> None:
+def test_the_grpc_client_reads_past_a_timeout_extension_to_the_answer() -> None:
+    """ext_proc answers a body that waits in its fair queue first with an override_message_timeout; Envoy
+    takes it and waits on, and so must the bench's client, or every later read is one message behind."""
+    import grpc
+    from google.protobuf import duration_pb2
+
+    extension = pb.ProcessingResponse(override_message_timeout=duration_pb2.Duration(seconds=6)).SerializeToString()
+    answer = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
+
+    async def process(requests, context):  # type: ignore[no-untyped-def]
+        async for request in requests:
+            if pb.ProcessingRequest.FromString(request).HasField("request_body"):
+                yield extension
+            yield answer
+
+    async def scenario() -> dict:
+        server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(process)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "envoy.service.ext_proc.v3.ExternalProcessor", {"Process": handler}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await grpc_drive(f"127.0.0.1:{port}", _messages(b"{}"), streams=2, seconds=0.5)
+        finally:
+            await server.stop(None)
+
+    figures = asyncio.run(scenario())
+    assert figures["streams_ok"] > 0 and figures["errors"] == {}
+
+
+@pytest.mark.parametrize("front", ["grpcio", "native"])
+def test_the_trivial_servicer_answers_envoys_three_messages(front: str, tmp_path: Path) -> None:
     async def scenario() -> dict:
         async with ProcessGroup() as group:
-            component, port = trivial_servicer(tmp_path)
+            component, port = trivial_servicer(tmp_path, front)
             await group.start([component])
-            return await grpc_drive(f"127.0.0.1:{port}", _messages(b"{}"), streams=2, seconds=0.5)
+            figures = await grpc_drive(f"127.0.0.1:{port}", _messages(b"{}"), streams=2, seconds=0.5)
+            over_uds = await grpc_drive(f"unix:{trivial_uds(tmp_path, front)}", _messages(b"{}"), streams=2,
+                                        seconds=0.5)
+            assert over_uds["streams_ok"] > 0 and over_uds["errors"] == {}
+            return figures
 
     figures = asyncio.run(scenario())
     assert figures["streams_ok"] > 0 and figures["errors"] == {}

@@ -24,7 +24,10 @@ Phases:
     request waiting for a free connection counts against the system (no
     coordinated omission). The generator reports how late it sent (lag) and
     its CPU, so you can see whether it kept up. Added latency = ext_proc -
-    baseline, per percentile.
+    baseline, per percentile. A third configuration, the filter floor, is a
+    static Envoy with the ext_proc filter whose ext_proc is a trivial
+    servicer on ext_proc's gRPC front (constant answers, no pick): what the
+    filter's three round trips add when the servicer does no work.
  2. Saturation through Envoy, wrk (closed loop, 64 connections; ext_proc's
     decisions/s from its counter inferlb_ext_proc_decisions_total, CPU of
     every process from psutil):
@@ -44,7 +47,8 @@ Phases:
     CPU-second ("on one core"); the same for the trivial servicer, the floor
     to compare against in the same run, and, when the stack's ext_proc runs
     on its native gRPC front, for a second ext_proc on grpcio's aio server
-    (`--grpc-front grpcio`, same control plane): the front it replaced.
+    (`--grpc-front grpcio`, same control plane: the front it replaced) and
+    for the trivial servicer on the native front.
  4. Profile (by default only when a target is missed): `perf record` of
     ext_proc under that load (CPU by shared object: interpreter, grpc core,
     kernel, tokenizers...), then ext_proc under cProfile (`python -m

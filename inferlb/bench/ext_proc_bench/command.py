@@ -64,7 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-streams", type=int, default=32,
                    help="concurrent gRPC streams of the direct client (default 32)")
     p.add_argument("--floor-seconds", type=float, default=5,
-                   help="the same for a trivial grpcio aio servicer: the framework's floor (default 5; 0: skip)")
+                   help="the same for a trivial servicer on each gRPC front: the framework's floor; also adds "
+                        "the filter floor to the overhead phase (default 5; 0: skip both)")
     p.add_argument("--profile", choices=["auto", "always", "never"], default="auto",
                    help="perf + cProfile of ext_proc: when a target is missed (auto, default), always or never")
     p.add_argument("--profile-seconds", type=float, default=8, help="length of the profiled load (default 8)")
@@ -95,8 +96,11 @@ def log(message: str) -> None:
 
 
 def estimate_s(args: argparse.Namespace) -> float:
-    return (15 + 2 * args.warmup + len(args.rates) * 2 * (args.duration + args.rounds) + (2 + 8 * args.wrk_rounds) * (args.wrk_seconds + 1)
-            + (2 * (args.grpc_seconds + args.floor_seconds) + 8 if args.grpc_seconds else 0)
+    floor = args.floor_seconds > 0
+    configs = 3 if floor else 2  # the overhead phase's baseline, ext_proc and the filter floor
+    return (15 + configs * args.warmup + len(args.rates) * configs * (args.duration + args.rounds)
+            + (2 + 8 * args.wrk_rounds) * (args.wrk_seconds + 1)
+            + (2 * 2 * (args.grpc_seconds + 1 + (args.floor_seconds + 1) * floor) + 10 if args.grpc_seconds else 0)
             + (2 * args.profile_seconds + 8 if args.profile != "never" else 0))
 
 
@@ -120,6 +124,7 @@ async def run(args: argparse.Namespace, log_dir: Path, results: dict[str, Any]) 
     envoy = find_envoy()
     async with ProcessGroup() as group, httpx.AsyncClient(timeout=5, trust_env=False) as client:
         st = await start_stack(group, client, args, log_dir, bodies, envoy, log)
+        results["ext_proc_front"] = st.ext_proc_front
         log(f"[stack] ready in {time.monotonic() - started:.0f} s: ext_proc Envoy :{st.envoy_x_port}, "
             f"baseline Envoy :{st.envoy_b_port}, ext_proc :{st.ext_proc_port}; logs in {log_dir}")
         results["overhead"] = await overhead_phase(args, st, bodies, log)

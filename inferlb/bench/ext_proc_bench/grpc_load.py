@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 import numpy as np
 
-from ...supervisor import Component
 from ..dataplanes import ext_proc_component
 from ..processes import ProcessGroup, free_port
 from .cpu import CpuMeter, pinned
@@ -28,6 +27,9 @@ from .workload import PATH
 
 PROCESS_METHOD = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 Messages = Sequence[tuple[bytes, bytes, bytes]]
+# A ProcessingResponse whose first field is override_message_timeout (10, length-delimited) carries only that:
+# every answer proper has a lower-numbered field, and protobuf writes fields in number order.
+EXTENSION_TAG = bytes([10 << 3 | 2])
 STREAM_TIMEOUT_S = 10.0  # a stream the server never finishes counts as an error instead of hanging the run
 
 
@@ -97,7 +99,8 @@ async def grpc_drive(target: str, messages: Messages, streams: int, seconds: flo
                         await call.write(headers)
                         await call.read()
                     await call.write(body)
-                    await call.read()
+                    while (await call.read())[:1] == EXTENSION_TAG:  # a wait in the fair queue: as Envoy does,
+                        pass  # take the longer timeout and read on for the answer
                     if not body_only:
                         await call.write(response)
                         await call.read()
@@ -145,61 +148,61 @@ TRANSPORTS = ("tcp", "uds")
 
 
 @dataclass(frozen=True)
-class GrpcioExtProc:
-    """A second ext_proc, on grpcio's aio server: the front the native one replaced, measured alongside."""
+class Server:
+    """One gRPC server the direct phase measures: key in the results, label, where, and its decision counter."""
 
-    component: Component
+    key: str
+    label: str
+    pid: int
     port: int
     uds: Path
-    metrics_url: str
+    metrics_url: str | None  # ext_proc's /metrics (decisions); None: count streams
+    seconds: float
 
     def target(self, transport: str) -> str:
         return f"unix:{self.uds}" if transport == "uds" else f"127.0.0.1:{self.port}"
 
 
-def grpcio_ext_proc(st: Stack) -> GrpcioExtProc:
-    port, metrics_port = free_port(), free_port()
-    uds = st.log_dir / "ext_proc_grpcio.sock"
-    component = ext_proc_component("ext_proc-grpcio", port=port, metrics_port=metrics_port, xds_port=st.xds_port,
-                                   logs=st.log_dir, data_dir=st.log_dir / "ext_proc-grpcio-data", uds=uds,
-                                   grpc_front="grpcio", node_id="bench-ext-proc-grpcio")
-    return GrpcioExtProc(component, port, uds, f"http://127.0.0.1:{metrics_port}")
+async def _servers(args: Any, st: Stack, group: ProcessGroup) -> list[Server]:
+    """The stack's ext_proc; when it runs on the native front, the same ext_proc on grpcio's (a second
+    replica on the same control plane: the front the native one replaced); the trivial servicer on grpcio
+    (the floor of earlier runs) and on the native front."""
+    servers = [Server("ext_proc", "ext_proc, 3 messages/request", st.pid("ext_proc"), st.ext_proc_port,
+                      st.ext_proc_uds, st.ext_proc_metrics_url, args.grpc_seconds)]
+    if st.ext_proc_front == "native":
+        port, metrics_port = free_port(), free_port()
+        uds = st.log_dir / "ext_proc_grpcio.sock"
+        component = ext_proc_component("ext_proc-grpcio", port=port, metrics_port=metrics_port,
+                                       xds_port=st.xds_port, logs=st.log_dir,
+                                       data_dir=st.log_dir / "ext_proc-grpcio-data", uds=uds, grpc_front="grpcio",
+                                       node_id="bench-ext-proc-grpcio")
+        await group.start([component])
+        servers.append(Server("ext_proc_grpcio", "ext_proc on grpcio's front", group.pid(component.name), port, uds,
+                              f"http://127.0.0.1:{metrics_port}", args.grpc_seconds))
+    if args.floor_seconds > 0:
+        for front in ("grpcio", "native") if st.ext_proc_front == "native" else ("grpcio",):
+            component, port = trivial_servicer(st.log_dir, front)
+            await group.start([component])
+            key, label = ("trivial", "trivial servicer") if front == "grpcio" else (
+                "trivial_native", "trivial servicer, native front")
+            servers.append(Server(key, label, group.pid(component.name), port, trivial_uds(st.log_dir, front),
+                                  None, args.floor_seconds))
+    return servers
 
 
 async def direct_phase(args: Any, st: Stack, messages: Messages, log: Log) -> dict[str, Any]:
-    """ext_proc, ext_proc on grpcio's front (when the stack's runs on the native one) and the trivial
-    servicer, each over loopback TCP and over its Unix socket, alternating so that a neighbour's load falls
-    on all. ``ext_proc`` and ``trivial``: the stack's own transport."""
-    out: dict[str, Any] = {"ext_proc_front": st.ext_proc_front}
+    """Each server of ``_servers`` over loopback TCP and over its Unix socket, in turn, so that a
+    neighbour's load falls on all. ``ext_proc`` and ``trivial``: the stack's own transport."""
+    out: dict[str, Any] = {}
     async with ProcessGroup() as group:
-        trivial: tuple[int, str] | None = None
-        if args.floor_seconds > 0:
-            component, port = trivial_servicer(st.log_dir)
-            await group.start([component])
-            trivial = (group.pid(component.name), port)
-        other: GrpcioExtProc | None = None
-        if st.ext_proc_front == "native":  # the same ext_proc on grpcio's front, on the same control plane
-            other = grpcio_ext_proc(st)
-            await group.start([other.component])
+        servers = await _servers(args, st, group)
         for transport in TRANSPORTS:
-            target = st.ext_proc_target(transport)
-            await grpc_drive(target, messages, args.grpc_streams, 1.0)  # warm the client's code paths
-            out[f"ext_proc_{transport}"] = await measure_direct(
-                f"ext_proc, 3 messages/request, {transport.upper()}", target, st.pid("ext_proc"), st.client,
-                st.ext_proc_metrics_url, messages, args.grpc_streams, args.grpc_seconds, log)
-            if other is not None:
-                target = other.target(transport)
-                await grpc_drive(target, messages, args.grpc_streams, 1.0)
-                out[f"ext_proc_grpcio_{transport}"] = await measure_direct(
-                    f"ext_proc on grpcio's front, {transport.upper()}", target, group.pid(other.component.name),
-                    st.client, other.metrics_url, messages, args.grpc_streams, args.grpc_seconds, log)
-            if trivial is not None:
-                pid, port = trivial
-                target = f"unix:{trivial_uds(st.log_dir)}" if transport == "uds" else f"127.0.0.1:{port}"
-                await grpc_drive(target, messages, args.grpc_streams, 1.0)
-                out[f"trivial_{transport}"] = await measure_direct(
-                    f"trivial servicer, 3 messages, {transport.upper()}", target, pid, st.client, None, messages,
-                    args.grpc_streams, args.floor_seconds, log)
+            for server in servers:
+                target = server.target(transport)
+                await grpc_drive(target, messages, args.grpc_streams, 1.0)  # warm the client's code paths
+                out[f"{server.key}_{transport}"] = await measure_direct(
+                    f"{server.label}, {transport.upper()}", target, server.pid, st.client, server.metrics_url,
+                    messages, args.grpc_streams, server.seconds, log)
     out["ext_proc"] = out[f"ext_proc_{st.transport}"]
     if f"trivial_{st.transport}" in out:
         out["trivial"] = out[f"trivial_{st.transport}"]

@@ -14,10 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from ..fleet import HOST
 from ..histogram import LatencyHistogram
 from ..loadgen import LoadOutcome, run_load
+from ..processes import ProcessGroup
 from .cpu import CpuMeter
-from .stack import EXT_PROC_STATS, Log, Stack, decisions, ext_proc_filter_stats
+from .stack import (
+    EXT_PROC_STATS, Log, Stack, all_healthy, decisions, ext_proc_filter_stats, static_envoy, trivial_servicer,
+    trivial_uds, wait_until,
+)
 from .workload import PATH, cycled, schedule
 
 WARMUP_RATE = 500
@@ -64,19 +69,51 @@ def summarise(runs: Sequence[LoadOutcome]) -> dict[str, Any]:
     }
 
 
+def added(baseline: dict[str, Any], other: dict[str, Any]) -> dict[str, float | None]:
+    """What ``other`` adds to the baseline, percentile by percentile."""
+    return {k: (other[k] - baseline[k]) if other[k] is not None and baseline[k] is not None else None
+            for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "service_p50_ms", "service_p99_ms")}
+
+
 def generator_kept_up(s: dict[str, Any]) -> bool:
     """Every request answered or counted, sends rarely late by more than 2 ms, the generator under half a core."""
     return (s["lag_p99_ms"] is not None and s["lag_p99_ms"] <= 2.0 and s["generator_cores"] < 0.5
             and s["completed"] + s["errors"] == s["requests"])
 
 
+async def filter_floor(st: Stack, group: ProcessGroup) -> int:
+    """A static Envoy with the ext_proc filter in front of the same workers, its ext_proc a trivial servicer on
+    the stack's gRPC front and transport: what the filter's three round trips add when the servicer does no
+    work (it picks nothing, so Envoy balances by itself). Returns its listener port."""
+    log_dir = st.log_dir / "filter-floor"
+    log_dir.mkdir(exist_ok=True)
+    trivial, port = trivial_servicer(log_dir, st.ext_proc_front)
+    await group.start([trivial])
+    endpoints = [(HOST, int(url.rsplit(":", 1)[1])) for url in st.worker_urls]
+    envoy = static_envoy(st.envoy, log_dir, "filter-floor", endpoints, ext_proc_port=port,
+                         ext_proc_uds=trivial_uds(log_dir, st.ext_proc_front) if st.transport == "uds" else None)
+    await group.start([envoy.component])
+    worker_ids = [f"{host}:{p}" for host, p in endpoints]
+    await wait_until(lambda: all_healthy(st.client, envoy.admin_url, worker_ids), 30,
+                     "every worker healthy in the filter floor's Envoy", group)
+    return envoy.listener_port
+
+
 async def overhead_phase(args: Any, st: Stack, bodies: Sequence[bytes], log: Log) -> dict[str, Any]:
-    configs = {"baseline": st.envoy_b_port, "ext_proc": st.envoy_x_port}
+    async with ProcessGroup() as group:
+        configs = {"baseline": st.envoy_b_port, "ext_proc": st.envoy_x_port}
+        if args.floor_seconds > 0:
+            configs["filter_floor"] = await filter_floor(st, group)
+        return await _measure(args, st, bodies, configs, log)
+
+
+async def _measure(args: Any, st: Stack, bodies: Sequence[bytes], configs: dict[str, int],
+                   log: Log) -> dict[str, Any]:
     groups = st.pids()
     client, metrics = st.client, st.ext_proc_metrics_url
     if args.warmup > 0:
         for name, port in configs.items():
-            log(f"[warm-up] {name}: {args.warmup:.0f} s at {WARMUP_RATE} req/s")
+            log(f"[warm-up] {name}: {args.warmup:g} s at {WARMUP_RATE} req/s")
             await open_loop(port, bodies, WARMUP_RATE, args.warmup, args.arrivals, args.seed, args.max_connections,
                             10)
     out: dict[str, Any] = {}
@@ -101,7 +138,7 @@ async def overhead_phase(args: Any, st: Stack, bodies: Sequence[bytes], log: Log
                 for key in EXT_PROC_STATS:
                     extra[name][key] += f1[key] - f0[key]
                 runs[name].append(result)
-                log(f"[overhead] {rate:>5} req/s round {round_ + 1}/{args.rounds} {name:<8}: "
+                log(f"[overhead] {rate:>5} req/s round {round_ + 1}/{args.rounds} {name:<12}: "
                     f"p50 {_ms(result.histogram, 50) or 0:6.2f} ms  p99 {_ms(result.histogram, 99) or 0:6.2f} ms  "
                     f"sent {result.sent}  errors {result.errors + result.timeouts}  "
                     f"lag p99 {result.send_lag_p99_s * 1000:.2f} ms  decisions {extra[name]['decisions']:.0f}  "
@@ -116,8 +153,8 @@ async def overhead_phase(args: Any, st: Stack, bodies: Sequence[bytes], log: Log
                             "errors": r.errors + r.timeouts, "lag_p99_ms": r.send_lag_p99_s * 1000,
                             "scheduled": r.sent} for r in runs[name]]
             entry[name] = s
-        b, x = entry["baseline"], entry["ext_proc"]
-        entry["added"] = {k: (x[k] - b[k]) if x[k] is not None and b[k] is not None else None
-                          for k in ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "service_p50_ms", "service_p99_ms")}
+        entry["added"] = added(entry["baseline"], entry["ext_proc"])
+        if "filter_floor" in entry:
+            entry["filter_floor_added"] = added(entry["baseline"], entry["filter_floor"])
         out[str(rate)] = entry
     return out

@@ -14,7 +14,9 @@ DIRECT_ROWS = (("ext_proc_tcp", "ext_proc over TCP (real token counting)"),
                ("ext_proc_grpcio_tcp", "ext_proc on grpcio's front over TCP"),
                ("ext_proc_grpcio_uds", "ext_proc on grpcio's front over UDS"),
                ("trivial_tcp", "trivial grpcio aio servicer over TCP"),
-               ("trivial_uds", "trivial grpcio aio servicer over UDS"))
+               ("trivial_uds", "trivial grpcio aio servicer over UDS"),
+               ("trivial_native_tcp", "trivial servicer, native front, TCP"),
+               ("trivial_native_uds", "trivial servicer, native front, UDS"))
 
 
 def fmt(value: float | None, width: int = 7, digits: int = 2, sign: bool = False) -> str:
@@ -48,6 +50,14 @@ def report(results: dict[str, Any], args: Any, log: Log) -> None:
                 f"{str(b['errors']) + '/' + str(x['errors']):>10} | {x['failure_mode_allowed']:>9} | "
                 f"{x['cores']['ext_proc']:7.2f} core | "
                 f"{lag:.2f} ms, {gen:.2f} core, {kept}")
+            if "filter_floor" in e:
+                f, fa = e["filter_floor"], e["filter_floor_added"]
+                log(f"{'':>6} | {'filter floor':>12} {'':>7} | {fmt(f['p50_ms'], 12)} {fmt(f['p99_ms'])} | "
+                    f"{fmt(fa['p50_ms'], 9, sign=True)} {fmt(fa['p99_ms'], sign=True)} | {'-/' + str(f['errors']):>10} |")
+        if any("filter_floor" in e for e in overhead.values()):
+            log(f"  filter floor: a static Envoy with the ext_proc filter and a trivial servicer on the "
+                f"{results.get('ext_proc_front', 'grpcio')} front "
+                "(constant answers, no pick) in front of the same workers: what three round trips cost with no work")
     sat = results.get("saturation_stack", {})
     if sat:
         b, x = sat["baseline"], sat["ext_proc"]
@@ -71,7 +81,7 @@ def report(results: dict[str, Any], args: Any, log: Log) -> None:
                 "ext_proc answers the body, so override_host never sees the pick: a floor, not an option.")
     direct = results.get("saturation_grpc", {})
     if direct:
-        log(f"ext_proc alone (on its {direct.get('ext_proc_front', 'grpcio')} front): a gRPC client playing Envoy's "
+        log(f"ext_proc alone (on its {results.get('ext_proc_front', 'grpcio')} front): a gRPC client playing Envoy's "
             "3 messages per request; server pinned to one core, client on the other:")
         for key, label in DIRECT_ROWS:
             if key in direct:
@@ -82,6 +92,11 @@ def report(results: dict[str, Any], args: Any, log: Log) -> None:
             x, t = direct.get(f"ext_proc_{transport}"), direct.get(f"trivial_{transport}")
             if x and t and t.get("per_cpu_s"):
                 log(f"  ext_proc per CPU-second / the trivial servicer's over {transport.upper()} (same run): "
+                    f"{(x['per_cpu_s'] or 0) / t['per_cpu_s']:.2f}")
+        for transport in ("tcp", "uds"):
+            x, t = direct.get(f"ext_proc_{transport}"), direct.get(f"trivial_native_{transport}")
+            if x and t and t.get("per_cpu_s"):
+                log(f"  ext_proc per CPU-second / the native trivial servicer's over {transport.upper()} (same run): "
                     f"{(x['per_cpu_s'] or 0) / t['per_cpu_s']:.2f}")
         for transport in ("tcp", "uds"):
             x, g = direct.get(f"ext_proc_{transport}"), direct.get(f"ext_proc_grpcio_{transport}")

@@ -172,7 +172,7 @@ async def start_stack(group: ProcessGroup, client: httpx.AsyncClient, args: Any,
     await start_data_plane(plan, group, client, worker_ids)
     baseline = static_envoy(envoy, log_dir, "baseline", endpoints, ext_proc_port=None)
     await group.start([baseline.component])
-    await wait_until(lambda: _all_healthy(client, baseline.admin_url, worker_ids), 30,
+    await wait_until(lambda: all_healthy(client, baseline.admin_url, worker_ids), 30,
                      "every worker healthy in the baseline Envoy", group)
     url_x, url_b = plan.url, f"http://127.0.0.1:{baseline.listener_port}{PATH}"
 
@@ -198,7 +198,7 @@ async def serving_front(client: httpx.AsyncClient, metrics_url: str) -> str:
     return grpc_front((await client.get(f"{metrics_url}/metrics")).text) or "grpcio"
 
 
-async def _all_healthy(client: httpx.AsyncClient, admin_url: str, worker_ids: Sequence[str]) -> bool:
+async def all_healthy(client: httpx.AsyncClient, admin_url: str, worker_ids: Sequence[str]) -> bool:
     return set(worker_ids) <= healthy_hosts((await client.get(f"{admin_url}/clusters")).text)
 
 
@@ -207,8 +207,8 @@ def ext_proc_uds(log_dir: Path) -> Path:
     return log_dir / "ext_proc.sock"
 
 
-def trivial_uds(log_dir: Path) -> Path:
-    return log_dir / "trivial.sock"
+def trivial_uds(log_dir: Path, front: str = "grpcio") -> Path:
+    return log_dir / ("trivial.sock" if front == "grpcio" else f"trivial-{front}.sock")
 
 
 def fake_worker_bootstrap(listener_port: int, admin_port: int, answer: httpx.Response) -> dict[str, Any]:
@@ -254,11 +254,12 @@ def fake_worker(envoy: str, log_dir: Path, answer: httpx.Response) -> tuple[Comp
     return envoy_component(envoy, "fake-worker", path, admin_port, log_dir), listener_port
 
 
-def trivial_servicer(log_dir: Path) -> tuple[Component, int]:
-    """The trivial ExternalProcessor (``trivial.py``) as a component, and its gRPC port; it also listens on
-    the Unix socket ``trivial_uds(log_dir)``."""
+def trivial_servicer(log_dir: Path, front: str = "grpcio") -> tuple[Component, int]:
+    """The trivial ExternalProcessor (``trivial.py``) on ``front`` as a component, and its gRPC port; it also
+    listens on the Unix socket ``trivial_uds(log_dir, front)``."""
     port, ready_port = free_port(), free_port()
     argv = [sys.executable, "-m", "inferlb.bench.ext_proc_bench.trivial", str(port), str(ready_port),
-            str(trivial_uds(log_dir))]
-    return Component(name="trivial-ext-proc", argv=argv, ready_url=f"http://127.0.0.1:{ready_port}/",
-                     log_path=log_dir / "trivial-ext-proc.log", env=child_env(), ready_timeout_s=30.0), port
+            str(trivial_uds(log_dir, front)), "--front", front]
+    name = "trivial-ext-proc" if front == "grpcio" else f"trivial-ext-proc-{front}"
+    return Component(name=name, argv=argv, ready_url=f"http://127.0.0.1:{ready_port}/",
+                     log_path=log_dir / f"{name}.log", env=child_env(), ready_timeout_s=30.0), port
