@@ -25,7 +25,17 @@ from .test_usage_store import counters
 pytestmark = pytest.mark.slow
 
 HOUR = 3600
-BASE = (int(time.time()) // HOUR - 3) * HOUR  # three hours ago, on the hour: within the default 24 h
+DAY = 24 * HOUR
+
+
+def _base(now: float) -> int:
+    """Three hours before ``now``, on the hour (within the report's default 24 h), moved earlier when the two
+    hours of rows after it would cross midnight UTC: the by-the-day report expects them in one day."""
+    base = (int(now) // HOUR - 3) * HOUR
+    return min(base, base // DAY * DAY + DAY - 3 * HOUR)
+
+
+BASE = _base(time.time())
 ZERO = {"requests": 0, "tokens": 0, "errors": 0, "sheds": 0, "rate_limited": 0, "unauthenticated": 0}
 
 
@@ -101,6 +111,13 @@ def test_one_tenant_by_the_minute_between_times_with_offsets(admin: Admin) -> No
     later = usage(admin, tenant="acme", granularity="minute", to=at(BASE + HOUR), **{"from": at(BASE + 60)})
     assert later["tenants"][0]["totals"]["requests"] == 3
     assert usage(admin, tenant="nobody")["tenants"] == []
+
+
+def test_the_rows_start_on_the_hour_at_least_three_hours_ago_and_within_one_day() -> None:
+    for now in (dt.datetime(2026, 11, 29, h, 30, tzinfo=dt.timezone.utc).timestamp() for h in range(24)):
+        base = _base(now)
+        assert base % HOUR == 0 and now - 24 * HOUR < base <= now - 3 * HOUR
+        assert base // DAY == (base + 2 * HOUR) // DAY
 
 
 def test_by_the_day(admin: Admin) -> None:
