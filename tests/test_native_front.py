@@ -111,6 +111,34 @@ def test_an_unknown_method_is_unimplemented_and_a_handlers_abort_or_error_sets_t
 
 
 @needs_front
+def test_an_answer_goes_out_while_its_handler_still_waits() -> None:
+    """A handler waiting on something else than the client (a queue, a lock) must not hold back the answer
+    the client needs first: each answer goes out as it is yielded."""
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def waits_between(messages: Messages, invocation: Invocation) -> AsyncIterator[bytes]:
+            async for _ in messages:
+                yield b"first"
+                await gate.wait()  # not the client: a queue, a lock...
+                yield b"second"
+                yield b"last"
+                return
+
+        async with native({"/t.T/W": waits_between}) as (_, target), grpc.aio.insecure_channel(target) as channel:
+            call = raw_call(channel, "/t.T/W")
+            await call.write(b"go")
+            assert await asyncio.wait_for(call.read(), 10) == b"first"  # while the handler still waits
+            gate.set()
+            assert await call.read() == b"second"
+            assert await call.read() == b"last"
+            assert await call.read() is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+
+    asyncio.run(scenario())
+
+
+@needs_front
 def test_a_stream_the_client_cancels_cancels_its_handler() -> None:
     async def scenario() -> None:
         started, ended = asyncio.Event(), asyncio.Event()
