@@ -58,7 +58,7 @@ Targets (issue 4): added p50 <= 1 ms at 500 req/s; >= 4,000 decisions/s on one
 core with real token counting.
 
 Prints progress lines and a table; --json FILE writes every figure.
-Default run: about 4 minutes on a 2-core machine; --quick: about 1 minute.
+Default run: about 5 minutes on a 2-core machine; --quick: about 1.5 minutes.
 (BENCH_ENVOY_LOG=debug with --keep-logs: the static Envoys log at debug level.)
 
 Modules: ``command`` (options, the run), ``stack`` (the processes), ``workload``,

@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-top", type=int, default=15, help="functions listed by own time (default 15)")
     p.add_argument("--seed", type=int, default=1, help="schedules and bodies (default 1)")
     p.add_argument("--quick", action="store_true",
-                   help="about a minute: 3 s per rate in 1 round, 2 s wrk runs, 3 s gRPC load, 2 s floor, "
+                   help="about 1.5 minutes: 3 s per rate in 1 round, 2 s wrk runs, 3 s gRPC load, 2 s floor, "
                         "1 s warm-up")
     p.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (kept anyway on failure)")
     p.add_argument("--json", type=Path, help="also write every figure here")

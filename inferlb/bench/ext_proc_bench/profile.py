@@ -48,6 +48,10 @@ CATEGORIES = (  # (label, substrings of "file:function"), first match wins
 PERF_DSOS = (  # (label, substring of the DSO name), first match wins
     ("Python interpreter (ext_proc, asyncio, grpc's Python code)", "libpython"),
     ("grpc core + Cython (cygrpc)", "cygrpc"),
+    ("gRPC C++ + abseil (the native front)", "libgrpc"),
+    ("gRPC C++ + abseil (the native front)", "libgpr"),
+    ("gRPC C++ + abseil (the native front)", "libabsl"),
+    ("gRPC C++ + abseil (the native front)", "_native_front"),
     ("tokenizers (Rust)", "tokenizers"),
     ("protobuf (upb)", "_message"),
     ("orjson", "orjson"),
