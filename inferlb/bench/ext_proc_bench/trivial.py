@@ -19,16 +19,22 @@ from typing import Any
 
 from ..ready import serve_ready
 
-async def _serve_grpcio(targets: list[str]) -> Any:
-    import grpc
+def _answers() -> dict[str, Any]:
+    """The constant answer to each kind of message (any other kind gets the request headers' one)."""
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-    answers = {
+    return {
         "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()),
         "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()),
         "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()),
     }
+
+
+async def _serve_grpcio(targets: list[str]) -> Any:
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+    answers = _answers()
     fallback = answers["request_headers"]
 
     class Trivial(pb_grpc.ExternalProcessorServicer):
@@ -53,11 +59,7 @@ def _serve_native(targets: list[str]) -> Any:
     front = load_front()
     if front is None:
         raise SystemExit("the native front is not built (no gRPC C++ at install time)")
-    answers = {
-        "request_headers": pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString(),
-        "request_body": pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString(),
-        "response_headers": pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString(),
-    }
+    answers = {kind: answer.SerializeToString() for kind, answer in _answers().items()}
     fallback = answers["request_headers"]
     parse = pb.ProcessingRequest.FromString
 
