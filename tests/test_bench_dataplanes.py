@@ -26,14 +26,16 @@ from inferlb.bench.dataplanes.launch import healthy_hosts, pick_decisions
 from inferlb.bench.dataplanes.nginx import NGINX, nginx_argv, prepare_prefix, render_nginx_conf
 from inferlb.bench.fleet import FleetLayout, outstanding, worker_argv
 from inferlb.bench.results import RunResult
-from inferlb.bench.runner import plan_configurations
-from inferlb.bench.scenario import Fleet, Scenario, WorkerSpec
+from inferlb.bench.runner import PROBE_DURATION_S, plan_configurations, probe_duration_s
+from inferlb.bench.scenario import Fleet, Scenario, WorkerSpec, load_scenario
 from inferlb.bench.table import render_markdown, spread_by_speed, target_ratios
 
 from .stack import envoy_binary
 
 ENDPOINTS = [("127.0.0.1", 18101), ("127.0.0.1", 18102), ("127.0.0.1", 18103)]
 PORTS = DataPlanePorts(20001, 20002, 20003, 20004, 20005, 20006)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- Envoy baselines -----------------------------------------------------------------------------
@@ -290,6 +292,20 @@ def test_search_steps_up_when_the_theoretical_load_meets_the_slo() -> None:
     probes = _search(lambda rps: 0.25 * rps / 130)
     assert probes[1].rps == pytest.approx(125.0)
     assert capacity_from_probes(probes, 100.0, 0.25) == pytest.approx(130.0, rel=0.02)
+
+
+def test_a_probe_measures_8_s_unless_the_scenario_asks_longer_never_past_its_runs() -> None:
+    assert PROBE_DURATION_S == 8.0 and probe_duration_s(Scenario()) == 8.0  # the routing bench's search
+    assert probe_duration_s(Scenario(duration_s=5.0)) == 5.0
+    assert probe_duration_s(Scenario(probe_duration_s=20.0)) == 20.0
+    assert probe_duration_s(Scenario(duration_s=6.0, probe_duration_s=20.0)) == 6.0  # --quick's runs
+
+
+def test_the_overload_scenario_probes_as_long_as_it_runs() -> None:
+    # Its verdict is goodput as a share of capacity: an 8 s probe near capacity ends before the queues have
+    # grown and finds a load above what the fleet can complete.
+    overload = load_scenario(ROOT / "scenarios" / "overload.toml")
+    assert probe_duration_s(overload) == overload.duration_s == 20.0
 
 
 def test_search_gives_up_within_bounds() -> None:

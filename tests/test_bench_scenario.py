@@ -74,6 +74,7 @@ max_tokens = 16
     ({"workload": {"mix": [{"share": 1, "min_tokens": 8, "max_tokens": 300}]}}, "max_tokens <= 256"),
     ({"fleet": {"workers": [1, 0]}}, "speed > 0"),
     ({"loads": [0]}, "loads are fractions"),
+    ({"probe_duration_s": -1}, "probe_duration_s must be >= 0"),
     ({"slowdown": {"worker": 9}}, "slowdown.worker"),
     ({"workload": {"arrival": 3}}, "workload.arrival must be a str"),
     ({"workload": {"arrival": "uniform"}}, "workload.arrival must be 'poisson' or 'bursty'"),

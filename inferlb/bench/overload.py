@@ -3,7 +3,9 @@
 Issue 13's overload target, measured live on loopback and then simulated:
 
 1. capacity is measured as ``inferlb bench run`` measures it (the load where p99 crosses the SLO, every
-   request standard, under ``inferlb_ext_proc``), unless given;
+   request standard, under ``inferlb_ext_proc``), unless given, with probes as long as the runs (the
+   scenario's ``probe_duration_s``): goodput is judged as a share of it, and a shorter probe ends before
+   the queues have grown, so it finds a load above what the fleet can complete;
 2. one stack (simulated workers, control plane, ext_proc, Envoy) then takes ``load`` x capacity (130%) of
    the scenario's class mix (20% critical, 50% standard, 30% sheddable) twice: with shedding (the pick
    policy's ``slo_ms`` set to the scenario's ``shed_slo_ms`` through the admin API) and as the baseline
@@ -39,12 +41,12 @@ SIM_TIMEOUT_S = 600.0
 
 DESCRIPTION = """\
 Issue 13's overload benchmark. Measures capacity (p99 crossing the SLO, all requests standard, under
-inferlb_ext_proc), then sends LOAD x capacity (default 130%) of 20% critical / 50% standard / 30% sheddable
+inferlb_ext_proc, in probes as long as the runs), then sends LOAD x capacity (default 130%) of 20% critical / 50% standard / 30% sheddable
 requests (x-gateway-inference-objective) to one live stack on loopback (simulated workers, control plane,
 ext_proc, Envoy) twice with the same trace: with shedding (the pick policy's slo_ms = the scenario's
 shed_slo_ms, set through the admin API) and without (slo_ms 0). Then simulates the same scenario both
 ways (inferlb sim). Prints critical p99 against the SLO and its errors, the sheddable 429s' p99 (target
-<= 5 ms) and goodput as a share of capacity (target >= 95%). Takes about 4 minutes; --quick about 2."""
+<= 5 ms) and goodput as a share of capacity (target >= 95%). Takes about 3 minutes; --quick about 2."""
 
 EPILOG = """\
 examples:

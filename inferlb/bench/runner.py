@@ -55,7 +55,7 @@ if TYPE_CHECKING:
     from .real_fleet_calibration import Calibration
 
 CAPACITY_CONFIGURATION = "inferlb_ext_proc"
-PROBE_DURATION_S = 8.0
+PROBE_DURATION_S = 8.0  # a probe's measured seconds unless the scenario's probe_duration_s says otherwise
 PROBE_WARMUP_S = 2.0
 MAX_PROBES = 7
 IDLE_EXTRA_S = 10.0  # beyond the request timeout, the longest a fleet may take to drain between runs
@@ -114,6 +114,12 @@ def plan_configurations(scenario: Scenario, only: Sequence[str] | None = None,
     return plans
 
 
+def probe_duration_s(scenario: Scenario) -> float:
+    """The measured seconds of each capacity probe: the scenario's ``probe_duration_s``, else 8 s; never
+    longer than its runs."""
+    return min(scenario.probe_duration_s or PROBE_DURATION_S, scenario.duration_s)
+
+
 def estimate_seconds(scenario: Scenario, plans: Sequence[ConfigurationPlan], start_s: float = 10.0) -> float:
     """A rough wall-time budget: each run, a start-up per configuration, and the capacity search."""
     per_run = scenario.warmup_s + scenario.duration_s + 1.0
@@ -121,7 +127,7 @@ def estimate_seconds(scenario: Scenario, plans: Sequence[ConfigurationPlan], sta
     start_s = max(start_s, REAL_START_S) if real else start_s
     total = sum(start_s + len(p.runs) * per_run for p in plans)
     if scenario.capacity_rps == 0:
-        total += start_s + MAX_PROBES * (min(PROBE_DURATION_S, scenario.duration_s) + PROBE_WARMUP_S + 1.0)
+        total += start_s + MAX_PROBES * (probe_duration_s(scenario) + PROBE_WARMUP_S + 1.0)
     if real:
         kinds = len({w.kind for w in scenario.fleet.workers})
         total += kinds * CALIBRATION_S[scenario.fleet.calibration]
@@ -347,7 +353,7 @@ class ScenarioRunner:
             return {"rps": s.capacity_rps, "source": "scenario", "theoretical_rps": round(theoretical, 2)}
         self.report(f"capacity search under {CAPACITY_CONFIGURATION} (theoretical {theoretical:.1f} req/s, "
                     f"SLO p99 <= {s.slo_s * 1e3:.0f} ms)")
-        probe_scenario = dataclasses.replace(s, duration_s=min(PROBE_DURATION_S, s.duration_s),
+        probe_scenario = dataclasses.replace(s, duration_s=probe_duration_s(s),
                                              warmup_s=min(PROBE_WARMUP_S, s.warmup_s))
         probes: list[Probe] = []
         plan = self._plan(CAPACITY_CONFIGURATION)

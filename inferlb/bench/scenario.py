@@ -198,6 +198,10 @@ class Scenario:
     request_timeout_s: float = 10.0
     # req/s at 100% load; 0: find it first, under inferlb_ext_proc (the definition)
     capacity_rps: float = 0.0
+    # Seconds each capacity probe measures; 0: the default (min(8 s, duration_s)), fast enough for the
+    # routing bench's search. Near capacity a short probe ends before the queues have grown: its p99
+    # flatters the load, so a scenario whose verdict is a share of capacity probes as long as it runs.
+    probe_duration_s: float = 0.0
     loads: tuple[float, ...] = (0.5, 0.7, 0.8, 0.9)
     slowdown: Slowdown | None = field(default_factory=Slowdown)
     workload: Workload = field(default_factory=Workload)
@@ -232,6 +236,7 @@ def _validate(s: Scenario) -> None:
     need(s.duration_s > 0 and s.warmup_s >= 0, "duration_s must be > 0 and warmup_s >= 0")
     need(s.slo_s > 0 and s.request_timeout_s > 0, "slo_s and request_timeout_s must be > 0")
     need(s.capacity_rps >= 0, "capacity_rps must be >= 0 (0: search for it)")
+    need(s.probe_duration_s >= 0, "probe_duration_s must be >= 0 (0: the default, min(8, duration_s))")
     need(all(0 < x <= 2 for x in s.loads), "loads are fractions of capacity in (0, 2]")
     need(len(s.fleet.workers) >= 1, "fleet.workers needs at least one worker")
     need(len(s.fleet.workers) <= MAX_WORKERS, f"fleet.workers: at most {MAX_WORKERS:,} workers")
