@@ -41,12 +41,13 @@ SIM_TIMEOUT_S = 600.0
 
 DESCRIPTION = """\
 Issue 13's overload benchmark. Measures capacity (p99 crossing the SLO, all requests standard, under
-inferlb_ext_proc, in probes as long as the runs), then sends LOAD x capacity (default 130%) of 20% critical / 50% standard / 30% sheddable
-requests (x-gateway-inference-objective) to one live stack on loopback (simulated workers, control plane,
-ext_proc, Envoy) twice with the same trace: with shedding (the pick policy's slo_ms = the scenario's
-shed_slo_ms, set through the admin API) and without (slo_ms 0). Then simulates the same scenario both
-ways (inferlb sim). Prints critical p99 against the SLO and its errors, the sheddable 429s' p99 (target
-<= 5 ms) and goodput as a share of capacity (target >= 95%). Takes about 3 minutes; --quick about 2."""
+inferlb_ext_proc, in probes as long as the runs), then sends LOAD x capacity (default 130%) of 20%
+critical / 50% standard / 30% sheddable requests (x-gateway-inference-objective) to one live stack on
+loopback (simulated workers, control plane, ext_proc, Envoy) twice with the same trace: with shedding
+(the pick policy's slo_ms = the scenario's shed_slo_ms, set through the admin API) and without (slo_ms
+0). Then simulates the same scenario both ways (inferlb sim). Prints critical p99 against the SLO and
+its errors, the sheddable 429s' p99 (target <= 5 ms) and goodput as a share of capacity (target >=
+95%). Takes about 3 minutes; --quick about 2."""
 
 EPILOG = """\
 examples:
