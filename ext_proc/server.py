@@ -82,7 +82,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Mapping, Sequence
+from typing import AsyncIterator, Mapping
 from urllib.parse import unquote
 
 import grpc
