@@ -212,7 +212,8 @@ def telemetry_out(t: Telemetry, now: float, stale_after_s: float) -> TelemetryOu
         latency_p50_s=_finite(t.latency_p50_s), latency_p99_s=_finite(t.latency_p99_s),
         latency_per_token_s=_finite(t.latency_per_token_s), queue_wait_mean_s=_finite(t.queue_wait_mean_s),
         queue_depth=_finite(t.queue_depth), inflight=_finite(t.inflight), rps=_finite(t.rps),
-        tokens_per_s=_finite(t.tokens_per_s), error_rate=_finite(t.error_rate),
+        tokens_per_s=_finite(t.tokens_per_s), error_rate=_finite(t.error_rate), slots=_finite(t.slots),
+        batch_cost_fixed_s=_finite(t.batch_cost_fixed_s), batch_cost_per_token_s=_finite(t.batch_cost_per_token_s),
         age_s=max(0.0, round(now - t.observed_at, 3)), stale=is_stale(t, now, stale_after_s),
     )
 

@@ -113,6 +113,11 @@ class TelemetryOut(BaseModel):
     rps: float | None
     tokens_per_s: float | None
     error_rate: float | None
+    slots: float | None = Field(description="jobs the worker runs at once (its inferlb_worker_slots; 1 if it "
+                                            "does not say): ext_proc divides its queued work by them")
+    batch_cost_fixed_s: float | None = Field(description="the worker's own batch-time fit, fixed term: "
+                                                         "ext_proc's prior for the endpoint's cost")
+    batch_cost_per_token_s: float | None = Field(description="the same fit, seconds per padded token")
     age_s: float = Field(description="seconds since the scrape these figures come from")
     stale: bool = Field(description="older than the freshness limit: not used as current by the policy")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane import pick_catalogue
 from control_plane.type_urls import ENDPOINT
@@ -89,7 +90,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ControlPla
     """(control plane, its simulated worker, a static endpoint nothing listens on)."""
     log_dir = tmp_path_factory.mktemp("admin-api")
     dead = f"127.0.0.1:{free_port()}"
-    with running_sim_workers(log_dir, 1) as (worker,), \
+    with running_sim_workers(log_dir, 1, args=("--sim-slots", "2")) as (worker,), \
             running_control_plane(log_dir, endpoints=[worker.id, dead],
                                   env={"INFERLB_CP_DEREGISTRATION_DRAIN_S": "120"}) as cp:
         yield cp, worker, dead
@@ -145,6 +146,14 @@ def test_endpoints_show_source_health_weights_and_telemetry(stack: tuple[Control
                 "tokens_per_s", "age_s", "stale"):
         assert key in telemetry, key
     assert telemetry["age_s"] >= 0
+    # What ext_proc costs the endpoint by, as the worker exports it (no traffic here: its fit stays put).
+    assert telemetry["slots"] == 2.0
+    exported = {s.labels["term"]: s.value for family in text_string_to_metric_families(
+        httpx.get(f"{worker.url}/metrics").text) if family.name == "inferlb_worker_batch_cost_seconds"
+        for s in family.samples}
+    assert telemetry["batch_cost_fixed_s"] == pytest.approx(exported["fixed"])
+    assert telemetry["batch_cost_per_token_s"] == pytest.approx(exported["per_token"])
+    assert exported["per_token"] > 0
     down = endpoints[dead]
     assert down["routable"] is False and down["telemetry"] is None and down["consecutive_scrape_failures"] >= 3
     assert admin.endpoint(worker.id)["id"] == worker.id
