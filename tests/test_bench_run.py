@@ -94,6 +94,24 @@ def test_smoke_scenario_writes_results_table_and_plots(out: Path) -> None:
     assert leftovers(str(out)) == []
 
 
+def test_rounds_rotate_the_order_and_the_verdict_rests_on_their_medians(out: Path) -> None:
+    done = bench("--scenario", str(SMOKE), "--out", str(out), "--no-progress", "--rounds", "2",
+                 "--configurations", "nginx_least_conn,inferlb_ext_proc")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 configuration(s) x 2 rounds, 4 run(s)" in done.stderr and "(round 2 of 2)" in done.stderr
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert [(r["configuration"], r["round"]) for r in results] == [
+        ("nginx_least_conn", 1), ("inferlb_ext_proc", 1), ("inferlb_ext_proc", 2), ("nginx_least_conn", 2)]
+    assert len({r["extra"]["seed"] for r in results}) == 1  # every round replays the same trace
+    for r in results:
+        assert r["completed"] > 0 and r["errors"] == 0 and r["timeouts"] == 0, r
+    table = (out / "table.md").read_text()
+    assert "## Medians over 2 rounds" in table and "| inferlb_ext_proc | steady | 50% | 2 |" in table
+    assert table in done.stdout
+    assert (out / "cdf_load50.png").read_bytes().startswith(PNG_MAGIC)
+    assert leftovers(str(out)) == []
+
+
 def test_ctrl_c_stops_every_process(out: Path) -> None:
     # SIGINT back to its default in the child: when the suite was started with SIGINT ignored (`(make test &)`
     # from a script), the bench inherits that and rightly ignores Ctrl-C; this test would then hang
@@ -135,6 +153,9 @@ def test_bad_flags_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2 and "--loads" in done.stderr
     done = bench("--scenario", str(SMOKE), "--duration", "-1")
     assert done.returncode == 2 and "duration_s" in done.stderr
+    for rounds in ("0", "21"):
+        done = bench("--scenario", str(SMOKE), "--rounds", rounds)
+        assert done.returncode == 2 and f"--rounds must be 1 to 20, got {rounds}" in done.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -36,6 +36,7 @@ class RunResult:
     # CDF points for plots: (latency_s, cumulative fraction), from the HDR histogram
     cdf: tuple[tuple[float, float], ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+    round: int = 1  # which round of ``inferlb bench run --rounds`` (0: the median over the rounds)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

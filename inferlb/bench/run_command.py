@@ -21,7 +21,9 @@ configurations: envoy_round_robin, envoy_least_request, envoy_cswrr_orca, nginx_
   inferlb_weights, inferlb_ext_proc, inferlb_pick:<policy>
 examples:
   inferlb bench run --scenario scenarios/smoke.toml --out /tmp/smoke
-  inferlb bench run --configurations envoy_least_request,inferlb_ext_proc --loads 0.8 --duration 10"""
+  inferlb bench run --configurations envoy_least_request,inferlb_ext_proc --loads 0.8 --duration 10
+  inferlb bench run --configurations envoy_cswrr_orca,inferlb_ext_proc --loads 0.8 --rounds 3"""
+MAX_ROUNDS = 20
 
 
 def _csv(text: str) -> list[str]:
@@ -40,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=float, metavar="S", help="warm-up seconds per run, sent but not measured")
     parser.add_argument("--capacity", type=float, metavar="RPS",
                         help="req/s at 100%% load; skips the capacity search (default: the scenario's, 0 = search)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="run the whole comparison N times (1-20), each round in a rotated order, and judge by "
+                             "the medians over the rounds and each round's paired ratios: on a shared host one run "
+                             "per configuration can mislead (default 1)")
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="output directory (default: bench-results/<scenario name>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -51,7 +57,7 @@ def _fail(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .runner import (ScenarioRunner, estimate_seconds, find_envoy, plan_configurations,
+    from .runner import (ScenarioRunner, estimate_seconds, find_envoy, plan_configurations, plan_rounds,
                          unknown_configurations)
     from .scenario import ScenarioError, load_scenario
 
@@ -79,9 +85,12 @@ def main(args: argparse.Namespace) -> int:
         unknown = unknown_configurations(only)
         if unknown or not only:
             return _fail(f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; see --help")
-    plans = plan_configurations(scenario, only)
-    if not plans:
+    if not 1 <= args.rounds <= MAX_ROUNDS:
+        return _fail(f"--rounds must be 1 to {MAX_ROUNDS}, got {args.rounds}")
+    configurations = plan_configurations(scenario, only)
+    if not configurations:
         return _fail("no configuration to run")
+    plans = plan_rounds(configurations, args.rounds)
     out = (args.out or Path("bench-results") / scenario.name).resolve()
     try:
         find_envoy()
@@ -89,8 +98,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"inferlb bench run: {exc}", file=sys.stderr)
         return 1
     minutes = estimate_seconds(scenario, plans) / 60
-    print(f"scenario {scenario.name}: {len(plans)} configuration(s), "
-          f"{sum(len(p.runs) for p in plans)} run(s), about {minutes:.0f} min; output {out}",
+    print(f"scenario {scenario.name}: {len(configurations)} configuration(s)"
+          + (f" x {args.rounds} rounds" if args.rounds > 1 else "")
+          + f", {sum(len(p.runs) for p in plans)} run(s), about {minutes:.0f} min; output {out}",
           file=sys.stderr, flush=True)
 
     runner = ScenarioRunner(scenario, out, plans=plans, progress=not args.no_progress)

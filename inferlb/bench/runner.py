@@ -49,6 +49,7 @@ from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set
 from .processes import ComponentDied, ProcessGroup, free_ports
 from .results import RunResult
 from .scenario import PICK_PREFIX, Scenario, known_configuration
+from .rounds import median_over_rounds, rounds_in
 from .table import TARGET_LOAD, render_markdown
 
 if TYPE_CHECKING:
@@ -81,6 +82,7 @@ class RunSpec:
 class ConfigurationPlan:
     configuration: str
     runs: tuple[RunSpec, ...]
+    round: int = 1  # of ``inferlb bench run --rounds``
 
 
 def default_pick_policies() -> tuple[str, ...]:
@@ -112,6 +114,18 @@ def plan_configurations(scenario: Scenario, only: Sequence[str] | None = None,
                 runs += (RunSpec(scenario.slowdown.load, "slowdown"),)
         plans.append(ConfigurationPlan(name, runs))
     return plans
+
+
+def plan_rounds(plans: Sequence[ConfigurationPlan], rounds: int) -> list[ConfigurationPlan]:
+    """``plans`` ``rounds`` times, round ``r`` starting ``r - 1`` places further down the list, so that no
+    configuration always runs first, or always right after the same one, while the host drifts."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    out: list[ConfigurationPlan] = []
+    for r in range(rounds):
+        k = r % len(plans) if plans else 0
+        out += [dataclasses.replace(p, round=r + 1) for p in [*plans[k:], *plans[:k]]]
+    return out
 
 
 def probe_duration_s(scenario: Scenario) -> float:
@@ -404,8 +418,10 @@ class ScenarioRunner:
             outcome = BenchOutcome(self.scenario, float(capacity["rps"]), capacity, calibration=self.calibration)
             total = sum(len(p.runs) for p in self.plans)
             done = 0
+            rounds = max(p.round for p in self.plans) if self.plans else 1
             for index, cplan in enumerate(self.plans, 1):
-                self.report(f"[{index}/{len(self.plans)}] {cplan.configuration}")
+                self.report(f"[{index}/{len(self.plans)}] {cplan.configuration}"
+                            + (f" (round {cplan.round} of {rounds})" if rounds > 1 else ""))
                 try:
                     plan = self._plan(cplan.configuration)
                     async with ProcessGroup(report=self._log_line) as group:
@@ -413,8 +429,8 @@ class ScenarioRunner:
                         for spec in cplan.runs:
                             done += 1
                             rps = spec.load * outcome.capacity_rps
-                            outcome.results.append(await self._measure(plan, group, client, spec, rps,
-                                                                       label=f"run {done}/{total}"))
+                            result = await self._measure(plan, group, client, spec, rps, label=f"run {done}/{total}")
+                            outcome.results.append(dataclasses.replace(result, round=cplan.round))
                             self.write(outcome, started)
                 except (DataPlaneError, ComponentDied, RuntimeError, httpx.HTTPError) as exc:
                     self.report(f"  FAILED: {cplan.configuration}: {exc}")
@@ -433,7 +449,8 @@ class ScenarioRunner:
         (self.out_dir / "results.json").write_text(json.dumps(outcome.to_json(), indent=1))
         (self.out_dir / "table.md").write_text(self.table(outcome))
         if final:
-            write_plots(outcome.results, self.out_dir)
+            results = outcome.results
+            write_plots(median_over_rounds(results) if rounds_in(results) > 1 else results, self.out_dir)
 
     def table(self, outcome: BenchOutcome) -> str:
         note = outcome.capacity.get("source", "")
@@ -444,8 +461,10 @@ class ScenarioRunner:
         from .real_fleet_calibration import render_markdown as render_curves
         from .real_fleet_report import best_peer_lines
 
+        results = outcome.results
         return "\n".join([text, "## Cost curves (real workers)", "", render_curves(outcome.calibration),
-                          *best_peer_lines(outcome.results)]) + "\n"
+                          *best_peer_lines(median_over_rounds(results) if rounds_in(results) > 1 else results)]
+                         ) + "\n"
 
 
 def write_plots(results: Sequence[RunResult], out_dir: Path) -> list[Path]:

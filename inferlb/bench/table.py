@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .results import RunResult
+from .rounds import median_over_rounds, per_round_ratios, rounds_in
 
 TARGET_LOAD = 0.8
 SUBJECT = "inferlb_ext_proc"  # (f)
@@ -88,7 +89,11 @@ def spread_by_speed(r: RunResult) -> str:
 
 def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench", capacity_rps: float | None = None,
                     capacity_note: str = "") -> str:
-    """The whole table.md: one row per run (steady runs by load, then the slowdown runs), then the ratios."""
+    """The whole table.md: one row per run (steady runs by load, then the slowdown runs), then the ratios.
+    With rounds (``--rounds``): a round column, the medians over the rounds, the ratios of the medians, and
+    each round's own ratio."""
+    rounds = rounds_in(results)
+    all_runs = results
     lines = [f"# {title}", ""]
     if capacity_rps is not None:
         lines += [f"Capacity (100% load): {capacity_rps:.1f} req/s{(' - ' + capacity_note) if capacity_note else ''}",
@@ -98,16 +103,27 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
         f"Latency from each request's scheduled send time (open loop); goodput = completions within "
         f"{slo * 1000:.0f} ms per second.",
         "",
-        "| configuration | run | load | offered req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | goodput/s "
-        "| completed | errors | timeouts | host CPU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| configuration | run | load |" + (" round |" if rounds > 1 else "")
+        + " offered req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | goodput/s | completed | errors | timeouts | host CPU |",
+        "|---|---|---:|" + ("---:|" if rounds > 1 else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    ordered = sorted(results, key=lambda r: (r.run != "steady", r.load, r.run))
+    ordered = sorted(results, key=lambda r: (r.run != "steady", r.load, r.run, r.round))
     for r in ordered:
         lines.append(
-            f"| {r.configuration} | {r.run} | {r.load:.0%} | {r.offered_rps:.1f} | {ms(r.p50_s)} | {ms(r.p90_s)} "
-            f"| {ms(r.p99_s)} | {ms(r.p999_s)} | {r.goodput_rps:.1f} | {r.completed} | {r.errors} | {r.timeouts} "
-            f"| {_cpu(r)} |")
+            f"| {r.configuration} | {r.run} | {r.load:.0%} |" + (f" {r.round} |" if rounds > 1 else "")
+            + f" {r.offered_rps:.1f} | {ms(r.p50_s)} | {ms(r.p90_s)} | {ms(r.p99_s)} | {ms(r.p999_s)} "
+            f"| {r.goodput_rps:.1f} | {r.completed} | {r.errors} | {r.timeouts} | {_cpu(r)} |")
+    if rounds > 1:
+        results = median_over_rounds(results)
+        ordered = sorted(results, key=lambda r: (r.run != "steady", r.load, r.run))
+        lines += ["", f"## Medians over {rounds} rounds", "",
+                  "Each configuration ran once per round, the order rotated each round. The verdicts below are "
+                  "taken from these medians.", "",
+                  "| configuration | run | load | rounds | p50 ms | p99 ms | p99 ms, lowest - highest round "
+                  "| goodput/s | completed (all rounds) | host CPU |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
+        lines += [f"| {r.configuration} | {r.run} | {r.load:.0%} | {r.extra['rounds']} | {ms(r.p50_s)} "
+                  f"| {ms(r.p99_s)} | {ms(r.extra['p99_min_s'])} - {ms(r.extra['p99_max_s'])} "
+                  f"| {r.goodput_rps:.1f} | {r.completed} | {_cpu(r)} |" for r in ordered]
     spread_rows = [(r, spread_by_speed(r)) for r in ordered]
     if any(text for _, text in spread_rows):
         lines += ["", "## Spread", "", "Completed requests per worker, by the worker's speed (mean over the workers "
@@ -115,8 +131,16 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
         lines += [f"| {r.configuration} | {r.run} | {r.load:.0%} | {text} |" for r, text in spread_rows if text]
     ratios = target_ratios(results)
     if any(x.value is not None for x in ratios):
-        lines += ["", "## Targets", "", "| ratio | value | better |", "|---|---:|---|"]
+        lines += ["", "## Targets" + (" (medians over the rounds)" if rounds > 1 else ""), "",
+                  "| ratio | value | better |" + (" each round |" if rounds > 1 else ""),
+                  "|---|---:|---|" + ("---|" if rounds > 1 else "")]
         for x in ratios:
-            if x.value is not None:
-                lines.append(f"| {x.label} | {x.value:.2f}x | {x.better} |")
+            if x.value is None:
+                continue
+            each = ""
+            if rounds > 1:
+                paired = (per_round_ratios(all_runs, SUBJECT, x.baseline, x.load, x.run)
+                          if x.metric == "p99" and x.load is not None else [])
+                each = " " + (", ".join(f"{v:.2f}x" for v in paired) or "-") + " |"
+            lines.append(f"| {x.label} | {x.value:.2f}x | {x.better} |{each}")
     return "\n".join(lines) + "\n"
