@@ -26,9 +26,11 @@ def hogs(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 def test_a_tiny_hogs_run_compares_the_options_and_stops_everything(out: Path, tmp_path: Path,  # noqa: F811
                                                                     data_dir: Path) -> None:
     report_file = tmp_path / "hogs.json"
-    done = subprocess.run([*INFERLB, "bench", "hogs", "--schedulings", "las,fifo", "--hog-inputs", "8",
-                           "--inputs-per-worker", "16", "--sentences", "4", "--rate", "20", "--out", str(out),
-                           "--json", str(report_file), "--no-progress"],
+    # 3 hogs of 48 short inputs per worker: more than one batch (64 inputs) and one hog must be seen queued.
+    # Identical hogs that the workers' cache coalesced never queued past the first, and the run failed.
+    done = subprocess.run([*INFERLB, "bench", "hogs", "--schedulings", "las,fifo", "--hog-inputs", "48",
+                           "--hog-tokens", "16", "--inputs-per-worker", "144", "--sentences", "4", "--rate", "20",
+                           "--out", str(out), "--json", str(report_file), "--no-progress"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "INFERLB_DATA_DIR": str(data_dir)})
     assert done.returncode == 0, done.stderr
@@ -38,7 +40,7 @@ def test_a_tiny_hogs_run_compares_the_options_and_stops_everything(out: Path, tm
     assert [r["scheduling"] for r in report["runs"]] == ["las", "fifo"] and report["failures"] == []
     for run in report["runs"]:
         assert run["sentences_sent"] == run["sentences_completed"] == 4 and run["sentence_errors"] == 0
-        assert run["hogs"] == run["hogs_ok"] == 4  # 2 per worker, 2 workers
+        assert run["hogs"] == run["hogs_ok"] == 6  # 3 per worker, 2 workers
     assert leftovers(str(out)) == []
 
 

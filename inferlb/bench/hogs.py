@@ -152,11 +152,14 @@ def _report(line: str) -> None:
 
 def worker_components(plan: HogsPlan, scheduling: str, ports: Sequence[int], log_dir: Path,
                       data_dir: Path) -> list[Any]:
-    """Real ONNX workers, one intra-op thread each, with ``scheduling``."""
+    """Real ONNX workers, one intra-op thread each, with ``scheduling``, their per-input cache off: every hog is
+    the same text, which the cache would compute once for all of them (coalescing), so nothing would queue."""
     from ..supervisor import Component
     from .fleet import FLEET_GROUP, HOST, child_env
 
-    extra = ["--max-batch-tokens", str(plan.max_batch_tokens)] if plan.max_batch_tokens else []
+    extra = ["--cache-max-bytes", "0"]
+    if plan.max_batch_tokens:
+        extra += ["--max-batch-tokens", str(plan.max_batch_tokens)]
     env = child_env({"INFERLB_DATA_DIR": str(data_dir)})
     return [Component(name=f"worker:{port}",
                       argv=[sys.executable, "-m", "workers", "--host", HOST, "--port", str(port), "--threads", "1",
