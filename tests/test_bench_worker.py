@@ -67,3 +67,12 @@ def test_http_run_measures_a_real_worker_with_wrk(tmp_path: Path) -> None:
     assert result.inputs_per_s > 0 and result.tokens_per_s == pytest.approx(result.inputs_per_s * 6, rel=0.05)
     assert result.mean_batch is not None and result.mean_batch >= 1
     assert result.p50_ms is not None and result.p99_ms is not None
+
+
+def test_http_run_computes_every_input_on_a_real_worker(tmp_path: Path, data_dir: Path) -> None:
+    """A real int8 worker: wrk repeats its texts, and the worker's per-input cache would answer them without the
+    model (mean batch 0, throughput many times the model's); http_run turns it off, so every input is computed."""
+    script = wrk_script(tmp_path, "short", ["the cat sat on the mat"] * 4, [8] * 4)
+    result = asyncio.run(http_run("http int8", data_dir, tmp_path, script, 4, 1, "--log-level", "warning"))
+    assert result.inputs_per_s > 0
+    assert result.mean_batch is not None and result.mean_batch >= 1

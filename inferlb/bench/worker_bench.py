@@ -160,13 +160,15 @@ def batches_and_inputs(metrics_text: str) -> tuple[float, float]:
 
 async def http_run(name: str, data_dir: Path, log_dir: Path, script: Path, concurrency: int, seconds: float,
                    *args: str) -> Result:
-    """A fresh worker, a 2 s wrk warm-up, then ``seconds`` of wrk; the mean batch from its counters."""
+    """A fresh worker, a 2 s wrk warm-up, then ``seconds`` of wrk; the mean batch from its counters. The
+    worker's per-input cache is off: wrk cycles through the same texts, which it would answer from the cache
+    (every input a hit after the first pass: mean batch 0, 12x the raw model)."""
     import httpx
 
     port = free_port()
     url = f"http://{HOST}:{port}"
     worker = Component(name=f"worker:{port}", argv=[sys.executable, "-m", "workers", "--host", HOST, "--port",
-                                                    str(port), *args],
+                                                    str(port), "--cache-max-bytes", "0", *args],
                        ready_url=f"{url}/readyz", log_path=log_dir / f"worker-{port}.log",
                        env=child_env({"INFERLB_DATA_DIR": str(data_dir)}), ready_timeout_s=120.0)
     async with ProcessGroup(stop_timeout_s=30.0) as group, httpx.AsyncClient(timeout=10, trust_env=False) as client:
