@@ -113,7 +113,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'results.json'}, {out / 'table.md'} and the plots ({outcome.wall_s / 60:.1f} min)",
           file=sys.stderr)
     for failure in outcome.failures:
-        print(f"FAILED {failure['configuration']}: {failure['error']}", file=sys.stderr)
+        where = f" (round {failure['round']})" if args.rounds > 1 else ""
+        print(f"FAILED {failure['configuration']}{where}: {failure['error']}", file=sys.stderr)
     return 1 if outcome.failures else 0
 
 

@@ -48,8 +48,8 @@ from .cpu_quota import CpuQuotas
 from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set_speed, worker_name
 from .processes import ComponentDied, ProcessGroup, free_ports
 from .results import RunResult
-from .scenario import PICK_PREFIX, Scenario, known_configuration
 from .rounds import median_over_rounds, rounds_in
+from .scenario import PICK_PREFIX, Scenario, known_configuration
 from .table import TARGET_LOAD, render_markdown
 
 if TYPE_CHECKING:
@@ -434,7 +434,8 @@ class ScenarioRunner:
                             self.write(outcome, started)
                 except (DataPlaneError, ComponentDied, RuntimeError, httpx.HTTPError) as exc:
                     self.report(f"  FAILED: {cplan.configuration}: {exc}")
-                    outcome.failures.append({"configuration": cplan.configuration, "error": str(exc)})
+                    outcome.failures.append({"configuration": cplan.configuration, "round": cplan.round,
+                                             "error": str(exc)})
                     done = sum(len(p.runs) for p in self.plans[:index])
             outcome.wall_s = time.monotonic() - started
             self.write(outcome, started, final=True)
