@@ -72,7 +72,8 @@ def counters(text: str) -> view.GatewayCounters:
 def telemetry(rps: float, p99: float, error_rate: float = 0.0, stale: bool = False) -> TelemetryOut:
     return TelemetryOut(cpu_utilization=0.5, latency_mean_s=0.01, latency_p50_s=0.005, latency_p99_s=p99,
                         latency_per_token_s=0.001, queue_wait_mean_s=0.0, queue_depth=1.0, inflight=2.0, rps=rps,
-                        tokens_per_s=rps * 10, error_rate=error_rate, age_s=0.1, stale=stale)
+                        tokens_per_s=rps * 10, error_rate=error_rate, slots=1.0, batch_cost_fixed_s=0.001,
+                        batch_cost_per_token_s=0.0001, age_s=0.1, stale=stale)
 
 
 def endpoint(endpoint_id: str, t: TelemetryOut | None, *, draining: bool = False, health: str = "healthy",
