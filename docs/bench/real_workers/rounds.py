@@ -18,7 +18,7 @@ import numpy as np
 
 from inferlb.bench import loadgen
 from inferlb.bench.run_command import run_on_uvloop
-from inferlb.bench.runner import ConfigurationPlan, RunSpec, ScenarioRunner
+from inferlb.bench.runner import ConfigurationPlan, RunSpec, ScenarioRunner, plan_rounds
 from inferlb.bench.scenario import load_scenario
 
 Row = tuple[int, str, float]  # (tokens, worker host:port, latency s from the scheduled send)
@@ -89,12 +89,8 @@ def main() -> int:
     loadgen.run_load = recording(records)  # the runner imports run_load at each run: it gets this one
     s = load_scenario(Path(a.scenario))
     s = dataclasses.replace(s, capacity_rps=a.capacity, duration_s=a.duration, warmup_s=a.warmup, loads=(a.load,))
-    configs = a.configurations.split(",")
-    order: list[tuple[int, str]] = []
-    for r in range(a.rounds):
-        k = r % len(configs)
-        order += [(r + 1, c) for c in configs[k:] + configs[:k]]
-    plans = [ConfigurationPlan(c, (RunSpec(a.load),)) for _, c in order]
+    plans = plan_rounds([ConfigurationPlan(c, (RunSpec(a.load),)) for c in a.configurations.split(",")], a.rounds)
+    order = [(p.round, p.configuration) for p in plans]
     runner = Runner(s, a.out.resolve(), plans=plans, progress=False)
     ports = {port: f"w{i}:{w.precision}/{w.threads}t/q{w.cpu_quota:g}"
              for i, (port, w) in enumerate(zip(runner.layout.ports, s.fleet.workers))}
