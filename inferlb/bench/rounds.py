@@ -60,6 +60,12 @@ def median_over_rounds(results: Sequence[RunResult]) -> list[RunResult]:
     return out
 
 
+def judged(results: Sequence[RunResult]) -> list[RunResult]:
+    """What a verdict (targets, plots, the best peer) rests on: the medians over the rounds, or the runs
+    themselves when there was one round."""
+    return median_over_rounds(results) if rounds_in(results) > 1 else list(results)
+
+
 def per_round_ratios(results: Sequence[RunResult], subject: str, baseline: str, load: float,
                      run: str = "steady") -> list[float]:
     """``subject``'s p99 over ``baseline``'s in each round both ran at ``load``, in round order: paired in

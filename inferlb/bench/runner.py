@@ -48,7 +48,7 @@ from .cpu_quota import CpuQuotas
 from .fleet import FLEET_GROUP, FleetLayout, busy_workers, fleet_components, set_speed, worker_name
 from .processes import ComponentDied, ProcessGroup, free_ports
 from .results import RunResult
-from .rounds import median_over_rounds, rounds_in
+from .rounds import judged
 from .scenario import PICK_PREFIX, Scenario, known_configuration
 from .table import TARGET_LOAD, render_markdown
 
@@ -450,8 +450,7 @@ class ScenarioRunner:
         (self.out_dir / "results.json").write_text(json.dumps(outcome.to_json(), indent=1))
         (self.out_dir / "table.md").write_text(self.table(outcome))
         if final:
-            results = outcome.results
-            write_plots(median_over_rounds(results) if rounds_in(results) > 1 else results, self.out_dir)
+            write_plots(judged(outcome.results), self.out_dir)
 
     def table(self, outcome: BenchOutcome) -> str:
         note = outcome.capacity.get("source", "")
@@ -462,10 +461,8 @@ class ScenarioRunner:
         from .real_fleet_calibration import render_markdown as render_curves
         from .real_fleet_report import best_peer_lines
 
-        results = outcome.results
         return "\n".join([text, "## Cost curves (real workers)", "", render_curves(outcome.calibration),
-                          *best_peer_lines(median_over_rounds(results) if rounds_in(results) > 1 else results)]
-                         ) + "\n"
+                          *best_peer_lines(judged(outcome.results))]) + "\n"
 
 
 def write_plots(results: Sequence[RunResult], out_dir: Path) -> list[Path]:

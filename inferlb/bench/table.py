@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .results import RunResult
-from .rounds import median_over_rounds, per_round_ratios, rounds_in
+from .rounds import judged, per_round_ratios, rounds_in
 
 TARGET_LOAD = 0.8
 SUBJECT = "inferlb_ext_proc"  # (f)
@@ -93,7 +93,7 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
     With rounds (``--rounds``): a round column, the medians over the rounds, the ratios of the medians, and
     each round's own ratio."""
     rounds = rounds_in(results)
-    all_runs = results
+    verdict = judged(results)  # the runs themselves, or their medians over the rounds
     lines = [f"# {title}", ""]
     if capacity_rps is not None:
         lines += [f"Capacity (100% load): {capacity_rps:.1f} req/s{(' - ' + capacity_note) if capacity_note else ''}",
@@ -114,8 +114,7 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
             + f" {r.offered_rps:.1f} | {ms(r.p50_s)} | {ms(r.p90_s)} | {ms(r.p99_s)} | {ms(r.p999_s)} "
             f"| {r.goodput_rps:.1f} | {r.completed} | {r.errors} | {r.timeouts} | {_cpu(r)} |")
     if rounds > 1:
-        results = median_over_rounds(results)
-        ordered = sorted(results, key=lambda r: (r.run != "steady", r.load, r.run))
+        ordered = sorted(verdict, key=lambda r: (r.run != "steady", r.load, r.run))
         lines += ["", f"## Medians over {rounds} rounds", "",
                   "Each configuration ran once per round, the order rotated each round. The verdicts below are "
                   "taken from these medians.", "",
@@ -129,7 +128,7 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
         lines += ["", "## Spread", "", "Completed requests per worker, by the worker's speed (mean over the workers "
                   "of that speed).", "", "| configuration | run | load | spread |", "|---|---|---:|---|"]
         lines += [f"| {r.configuration} | {r.run} | {r.load:.0%} | {text} |" for r, text in spread_rows if text]
-    ratios = target_ratios(results)
+    ratios = target_ratios(verdict)
     if any(x.value is not None for x in ratios):
         lines += ["", "## Targets" + (" (medians over the rounds)" if rounds > 1 else ""), "",
                   "| ratio | value | better |" + (" each round |" if rounds > 1 else ""),
@@ -139,7 +138,7 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
                 continue
             each = ""
             if rounds > 1:
-                paired = (per_round_ratios(all_runs, SUBJECT, x.baseline, x.load, x.run)
+                paired = (per_round_ratios(results, SUBJECT, x.baseline, x.load, x.run)
                           if x.metric == "p99" and x.load is not None else [])
                 each = " " + (", ".join(f"{v:.2f}x" for v in paired) or "-") + " |"
             lines.append(f"| {x.label} | {x.value:.2f}x | {x.better} |{each}")

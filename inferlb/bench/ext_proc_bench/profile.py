@@ -45,18 +45,15 @@ CATEGORIES = (  # (label, substrings of "file:function"), first match wins
     ("asyncio event loop", ("asyncio", "uvloop", "selectors.py", "events.py", "_weakrefset.py", "inspect.py")),
 )
 
-PERF_DSOS = (  # (label, substring of the DSO name), first match wins
-    ("Python interpreter (ext_proc, asyncio, grpc's Python code)", "libpython"),
-    ("grpc core + Cython (cygrpc)", "cygrpc"),
-    ("gRPC C++ + abseil (the native front)", "libgrpc"),
-    ("gRPC C++ + abseil (the native front)", "libgpr"),
-    ("gRPC C++ + abseil (the native front)", "libabsl"),
-    ("gRPC C++ + abseil (the native front)", "_native_front"),
-    ("tokenizers (Rust)", "tokenizers"),
-    ("protobuf (upb)", "_message"),
-    ("orjson", "orjson"),
-    ("kernel (syscalls, loopback TCP, scheduling)", "[kernel"),
-    ("libc / libstdc++ / malloc", "libc"),
+PERF_DSOS = (  # (label, substrings of the DSO name), first match wins
+    ("Python interpreter (ext_proc, asyncio, grpc's Python code)", ("libpython",)),
+    ("grpc core + Cython (cygrpc)", ("cygrpc",)),
+    ("gRPC C++ + abseil (the native front)", ("libgrpc", "libgpr", "libabsl", "_native_front")),
+    ("tokenizers (Rust)", ("tokenizers",)),
+    ("protobuf (upb)", ("_message",)),
+    ("orjson", ("orjson",)),
+    ("kernel (syscalls, loopback TCP, scheduling)", ("[kernel",)),
+    ("libc / libstdc++ / malloc", ("libc",)),
 )
 
 
@@ -103,7 +100,7 @@ async def perf_profile(args: Any, st: Stack, messages: Messages, log: Log) -> di
             by_dso[parts[1].strip()] = float(parts[0].rstrip("%"))
     grouped: dict[str, float] = collections.defaultdict(float)
     for dso, share in by_dso.items():
-        label = next((lab for lab, needle in PERF_DSOS if needle in dso), "other")
+        label = next((lab for lab, needles in PERF_DSOS if any(n in dso for n in needles)), "other")
         grouped[label] += share
     return {"load": load, "by_dso_percent": by_dso,
             "by_group_percent": dict(sorted(grouped.items(), key=lambda kv: -kv[1]))}
