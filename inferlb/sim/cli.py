@@ -56,6 +56,10 @@ def add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     sim.add_argument("--no-slowdown", action="store_true", help="skip the slowdown run")
     sim.add_argument("--shed-slo-ms", metavar="MS", type=float,
                      help="ext_proc's slo_ms: shed sheddable requests predicted to complete later (0: no shedding)")
+    sim.add_argument("--fair-queue-depth", metavar="N", type=int, default=0,
+                     help="model ext_proc's fair admission gate at this fair_queue_depth: requests wait in ext_proc "
+                          "once it has N per endpoint in flight (default 0: not modelled, every request is routed "
+                          "on arrival)")
     sim.add_argument("--json", metavar="FILE", help="write the RunResults (or, with --validate, the comparison)")
     sim.add_argument("--summary", metavar="FILE",
                      help="write a small JSON summary: per configuration, run and load the figures, the ratios to "

@@ -22,7 +22,7 @@ from inferlb.bench.scenario import (
 
 from . import report
 from .oracles import ORACLES, is_oracle
-from .runner import SLOWDOWN, STEADY, capacity_rps, simulate
+from .runner import SLOWDOWN, STEADY, SimOptions, capacity_rps, simulate
 
 
 class UsageError(ValueError):
@@ -104,7 +104,15 @@ def _progress_bar(enabled: bool, total: int, desc: str):  # type: ignore[no-unty
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def run_all(scenario: Scenario, rate: float | None, progress: bool, oracles: tuple[str, ...] = ()) -> list[RunResult]:
+def options_from_args(args: argparse.Namespace) -> SimOptions:
+    depth = getattr(args, "fair_queue_depth", 0) or 0
+    if depth < 0:
+        raise UsageError(f"--fair-queue-depth must be >= 0 (0: not modelled), got {depth}")
+    return SimOptions(fair_queue_depth=depth)
+
+
+def run_all(scenario: Scenario, rate: float | None, progress: bool, oracles: tuple[str, ...] = (),
+            options: SimOptions | None = None) -> list[RunResult]:
     results = []
     capacity = capacity_rps(scenario)
     for configuration, load, run in plan(scenario, rate, oracles):
@@ -113,7 +121,7 @@ def run_all(scenario: Scenario, rate: float | None, progress: bool, oracles: tup
         bar = _progress_bar(progress, total, f"{configuration} {run} {offered:.0f} req/s")
         try:
             result, raw = simulate(scenario, configuration, load, run=run, rate_rps=rate if load is None else None,
-                                   progress=bar.update if bar is not None else None)
+                                   options=options, progress=bar.update if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
@@ -147,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
             return _validate(args)
         scenario = scenario_from_args(args)
         results = run_all(scenario, args.rate, progress=not args.no_progress and sys.stderr.isatty(),
-                          oracles=oracles_from_args(args))
+                          oracles=oracles_from_args(args), options=options_from_args(args))
     except (ScenarioError, UsageError, BenchResultsError) as exc:
         print(f"inferlb sim: error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,10 @@ comes first, the next arrival or the heap's top). A completion at the same
 instant as an arrival is processed first (the slot it frees is free).
 
 A balancer's ``pick`` may answer ``SHED`` instead of a worker: the request is
-answered at once (ext_proc's 429) and never reaches a worker. With
+answered at once (ext_proc's 429) and never reaches a worker. It may also
+answer ``HELD``: the request waits in the balancer (ext_proc's fair admission
+queue) until a completion frees room, and the balancer's ``released`` hands
+it back with its worker then; its latency counts from its arrival all the same. With
 ``priorities`` the workers' queues are the workers' ``JobQueue``s (``SimFleet``'s
 ``queue_order``) and each queued request carries its class.
 
@@ -33,6 +36,7 @@ from .fleet import SimFleet
 _COMPLETE = 0
 _CALL = 1
 SHED = -1  # what ``Balancer.pick`` answers for a request it refuses (no worker serves it)
+HELD = -2  # what it answers for a request it keeps waiting (a balancer with ``released``)
 
 Tick = Callable[[float], "float | None"]
 
@@ -65,6 +69,14 @@ class Balancer(Protocol):
 
     def ticks(self) -> Sequence[tuple[float, Tick]]:
         """Periodic work (weight updates, scrapes): (first time, callable)."""
+        ...
+
+
+class Gate(Protocol):
+    """A balancer that can hold requests (``pick`` answering ``HELD``) has this too."""
+
+    def released(self, now: float) -> list[tuple[int, int]]:
+        """After a completion: the held requests that may go now, each with its worker (or ``SHED``)."""
         ...
 
 
@@ -107,6 +119,7 @@ class Engine:
         service_s = self.fleet.service_s
         balancer = self.balancer
         pick, completed = balancer.pick, balancer.completed
+        released = getattr(balancer, "released", None)
         clock = self.clock
         heap = self._heap
         push, pop = heapq.heappush, heapq.heappop
@@ -114,15 +127,39 @@ class Engine:
         for first, call in balancer.ticks():
             self.at(first, call)
         started_at = [0.0] * n  # job start (for the busy-time bookkeeping)
+        reached = send if released is None else list(send)  # when it reached its worker (after any hold)
         service = [0.0] * n
         events = 0
         pending = 0  # requests on a worker
         i = 0
         next_arrival = send[0] if n else math.inf
         report_every = max(1, n // 200)
+        held = 0
+
+        def dispatch(r: int, a: int, now: float) -> None:
+            """Request ``r`` goes to worker ``a``: it starts on a free slot or joins the worker's queue."""
+            nonlocal pending
+            w = workers[a]
+            w.inflight += 1
+            pending += 1
+            reached[r] = now
+            t = toks[r]
+            if w.running < w.slots:
+                s = service_s(w, t)
+                service[r] = s
+                started_at[r] = now
+                w.running += 1
+                w.running_started_sum += now
+                w.queue_wait_count += 1
+                push(heap, (now + s, next(seq), _COMPLETE, a, r))
+            elif prio is None:
+                w.queue.append(r)
+            else:
+                w.queue.push(r, prio[r], now)
+
         while True:
             if heap and heap[0][0] <= next_arrival:
-                if i >= n and pending == 0:
+                if i >= n and pending == 0 and held == 0:
                     break
                 now, _, kind, a, b = pop(heap)
                 if now > until_s:
@@ -151,13 +188,21 @@ class Engine:
                     started_at[nxt] = now
                     w.running += 1
                     w.running_started_sum += now
-                    w.queue_wait_sum += now - send[nxt]
+                    w.queue_wait_sum += now - reached[nxt]
                     w.queue_wait_count += 1
                     push(heap, (now + s2, next(seq), _COMPLETE, a, nxt))
-                w.duration_sum += now - send[b]
+                w.duration_sum += now - reached[b]
                 w.tokens_total += toks[b]
                 w.inputs_total += 1
                 completed(b, a, now, s, inflight)
+                if held:
+                    for r, a2 in released(now):  # type: ignore[misc]
+                        held -= 1
+                        served_by[r] = a2
+                        if a2 == SHED:
+                            finished[r] = now
+                        else:
+                            dispatch(r, a2, now)
                 continue
             if i >= n:  # every request sent and none left on a worker: only ticks remain
                 break
@@ -171,22 +216,10 @@ class Engine:
             served_by[i] = a
             if a == SHED:  # answered at once, by the balancer
                 finished[i] = now
+            elif a == HELD:
+                held += 1
             else:
-                w = workers[a]
-                w.inflight += 1
-                pending += 1
-                if w.running < w.slots:
-                    s = service_s(w, t)
-                    service[i] = s
-                    started_at[i] = now
-                    w.running += 1
-                    w.running_started_sum += now
-                    w.queue_wait_count += 1
-                    push(heap, (now + s, next(seq), _COMPLETE, a, i))
-                elif prio is None:
-                    w.queue.append(i)
-                else:
-                    w.queue.push(i, prio[i], now)
+                dispatch(i, a, now)
             i += 1
             next_arrival = send[i] if i < n else math.inf
             if progress is not None and i % report_every == 0:

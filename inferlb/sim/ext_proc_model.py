@@ -24,11 +24,20 @@ chain answers itself (its ``shed`` plugin's 429 for a sheddable request), the
 request is ``SHED``: counted, and it never reaches a worker. Each request's
 class (``priorities``, set by the runner from the trace) is in its RequestView,
 as ext_proc reads it from ``x-gateway-inference-objective``.
+
+With ``fair_queue_depth`` (ext_proc's setting of that name; 0: off) each
+replica admits as ext_proc's fair gate does: while it has fewer than
+``depth x endpoints / replicas`` (at least 1) requests in flight, a request
+is routed at once; otherwise it waits in the replica's queue, best class
+first and in arrival order within one, and is routed when a completion
+frees room. Not modelled: tenants' weighted shares, and the gate's
+maximum wait (held requests here wait as long as it takes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -41,7 +50,7 @@ from inferlb_runtime.pick_chain import DEFAULT_PICK_POLICY, PRESETS
 from inferlb_runtime.request_class import Priority
 
 from .balancers import WeightedLeastRequest
-from .engine import SHED, Tick
+from .engine import HELD, SHED, Tick
 from .fleet import SimFleet
 
 
@@ -64,6 +73,8 @@ class Replica:
         self.picks = 0
         self.fallbacks = 0
         self.shed = 0  # requests its chain answered itself (429)
+        self.waiting: list[tuple[int, int, int]] = []  # held: a heap of (class, request = arrival order, tokens)
+        self.held = 0  # requests that waited in its fair queue
 
 
 class ExtProcBalancer:
@@ -73,7 +84,9 @@ class ExtProcBalancer:
 
     def __init__(self, fleet: SimFleet, rng: random.Random, ids: Sequence[str], replicas: int, clock,  # type: ignore[no-untyped-def]
                  policy: str = DEFAULT_PICK_POLICY, params: Mapping[str, Any] | None = None,
-                 inputs_per_request: int = 1) -> None:
+                 inputs_per_request: int = 1, fair_queue_depth: int = 0) -> None:
+        if fair_queue_depth < 0:
+            raise ValueError(f"fair_queue_depth must be >= 0 (0: off), got {fair_queue_depth}")
         self._rng = random.Random(rng.random())
         self.replicas = [Replica(policy, rng.randrange(1 << 30), clock, params) for _ in range(replicas)]
         for index, replica in enumerate(self.replicas):  # the control plane's replica list, as EDS carries it
@@ -87,6 +100,9 @@ class ExtProcBalancer:
         self.priorities: Sequence[int] | None = None  # per request of the trace; None: all standard
         self._inputs = inputs_per_request
         self._who: dict[int, tuple[Replica, int, float]] = {}  # request -> (replica, tokens, predicted_s)
+        self.fair_queue_depth = fair_queue_depth
+        # ext_proc's _capacity: requests a replica may have in flight before new ones queue
+        self._room = max(1, fair_queue_depth * len(self._ids) // len(self.replicas))
         self.name = "inferlb_ext_proc" if policy == DEFAULT_PICK_POLICY else f"inferlb_pick:{policy}"
 
     def set_eds(self, weights: Sequence[int], telemetry: Sequence[Mapping[str, float]]) -> None:
@@ -100,6 +116,23 @@ class ExtProcBalancer:
         replica = self.replicas[int(self._rng.random() * len(self.replicas))] if len(self.replicas) > 1 \
             else self.replicas[0]
         priority = self.priorities[request] if self.priorities is not None else Priority.STANDARD
+        if self.fair_queue_depth and (replica.waiting or len(replica.router.outstanding) >= self._room):
+            heapq.heappush(replica.waiting, (int(priority), request, tokens))
+            replica.held += 1
+            return HELD
+        return self._route(replica, request, tokens, priority, now)
+
+    def released(self, now: float) -> list[tuple[int, int]]:
+        """Each replica's held requests, best first, while it has room (the engine calls this after a
+        completion)."""
+        out: list[tuple[int, int]] = []
+        for replica in self.replicas:
+            while replica.waiting and len(replica.router.outstanding) < self._room:
+                priority, request, tokens = heapq.heappop(replica.waiting)
+                out.append((request, self._route(replica, request, tokens, priority, now)))
+        return out
+
+    def _route(self, replica: Replica, request: int, tokens: int, priority: int, now: float) -> int:
         view = self._views.get((tokens, self._inputs, priority))
         if view is None:
             view = self._views[(tokens, self._inputs, priority)] = RequestView(

@@ -61,6 +61,7 @@ class SimOptions:
     cswrr: CswrrParams = field(default_factory=CswrrParams)
     push_delay_s: float = 0.1  # control plane debounce between a scrape and EDS reaching the data plane
     shed_queue_model: Literal["priority", "fifo"] | None = None  # the shed plugin's (None: its default)
+    fair_queue_depth: int = 0  # ext_proc's fair admission gate (0: not modelled, every request routed on arrival)
 
 
 def capacity_rps(scenario: Scenario) -> float:
@@ -112,7 +113,8 @@ def build_balancer(configuration: str, scenario: Scenario, fleet: SimFleet, engi
         kwargs = {"policy": policy} if policy else {}
         balancer = ExtProcBalancer(fleet, rng, ids, scenario.ext_proc_replicas, clock,
                                    params=shedding_params(scenario.shed_slo_ms, options.shed_queue_model),
-                                   inputs_per_request=scenario.workload.inputs_per_request, **kwargs)
+                                   inputs_per_request=scenario.workload.inputs_per_request,
+                                   fair_queue_depth=options.fair_queue_depth, **kwargs)
         balancer.name = configuration
         on_weights = balancer.set_eds
     else:
@@ -258,6 +260,8 @@ def _result(scenario: Scenario, configuration: str, load: float, rate_rps: float
         if finite:
             extra["cost_mape"] = round(sum(finite) / len(finite), 4)
         extra["ext_proc_shed"] = sum(r.shed for r in replicas)  # warm-up included
+        if getattr(balancer, "fair_queue_depth", 0):
+            extra["ext_proc_held"] = sum(r.held for r in replicas)  # waited in the fair queue, warm-up included
     goodput_rps = float((ok <= scenario.slo_s).sum()) / scenario.duration_s
     extra["goodput_of_capacity"] = goodput_rps / capacity_rps(scenario)
     if classes is not None:
