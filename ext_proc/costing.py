@@ -8,10 +8,22 @@
 ``ours_s`` is the predicted cost of this ext_proc's requests in flight there
 (exact and fresh; a running request counts in full, which errs on the safe
 side when the worker's overheads exceed its compute time). ``reported`` is
-the worker's in-flight count from the fresher snapshot: the last ORCA report
-noted here if it came after the current EDS view, else the EDS telemetry key
-``inflight`` (the raw gauge); ``ours_then`` is what we had in flight there at
-that snapshot. Everything we began or finished since is extrapolated, times
+the worker's in-flight count: the last ORCA report noted here if it is at
+most ``load_ttl_s`` old, else the EDS telemetry key ``inflight`` (the raw
+gauge); ``ours_then`` is what we had in flight there at that snapshot.
+
+Why a report wins even over a newer EDS view: the worker takes its report
+as it answers, so it and our count at that moment describe the same
+instant. The view's gauge was scraped before the view arrived (a scrape,
+then the control plane's debounce: 0.1-0.6 s), yet it can only be set
+against our count at its arrival. The mismatch reads as foreign work, and
+it does not cancel out: a negative estimate is clipped to none, a positive
+one is costed at the endpoint's own rate, so it weighs most against the
+slow endpoints. Simulated at 80% with one ext_proc, preferring the view
+when it was the newer gave p99 94-118 ms on the real-worker fleet (4 seeds)
+and 210-217 ms on the default one (2 seeds). Preferring the report gave
+86-101 and 197-211 ms, and 2-6% lower p99 with 3 or 4 replicas
+(docs/benchmarks.md, "Closing the gap: the worker's own load report"). Everything we began or finished since is extrapolated, times
 ``replica_factor`` (fleet requests/s in telemetry over our own decisions/s:
 about the number of ext_proc replicas): the other replicas are assumed to act
 as we do, so that ten replicas do not all herd onto a worker that looked idle
@@ -135,7 +147,6 @@ class Costing:
         loads = self._loads
         key = self.reported_load_key
         mean_tokens = int(self._mean_tokens)
-        eds_at = self._eds_at
         ours_at_eds = self._ours_at_eds
         factor = self.replica_factor
         now = -1.0
@@ -154,7 +165,7 @@ class Costing:
                 if noted is not None:
                     if now < 0:
                         now = self._clock()
-                    if noted[2] >= eds_at or now - noted[2] <= self.load_ttl_s and key not in telemetry:
+                    if now - noted[2] <= self.load_ttl_s:
                         reported, ours_then = noted[0], noted[1]
             if reported is None:
                 reported = telemetry.get(key)

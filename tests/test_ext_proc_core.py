@@ -622,14 +622,19 @@ def test_picker_counts_foreign_work_from_telemetry_and_orca() -> None:
     cands = {c.id: c for c in _candidates(picker, view(32), (a, b))}
     assert cands[a.id].outstanding_s == pytest.approx(0.008 + 3 * 0.008, rel=0.1)
     # a response to "answered" (ours, still counted, as server.py notes before releasing): 2 in flight there,
-    # both ours, so no foreign work; the ORCA report is newer than the EDS view, so it wins
+    # both ours, so no foreign work; the ORCA report is younger than load_ttl_s, so it wins
     picker.outstanding.begin("answered", a.id, 32, 0.008)
     clock.now += 0.1
     picker.note_load(a.id, parse_orca("TEXT named_metrics.inflight=2"))
     picker.outstanding.finish("answered")
     assert {c.id: c for c in _candidates(picker, view(32), (a, b))}[a.id].outstanding_s == pytest.approx(0.008)
     clock.now += 0.1
-    fresh_eds = (endpoint(1, telemetry={"inflight": 4}), b)  # a newer EDS view: its telemetry is the fresher
+    # a newer EDS view: its gauge was scraped before it arrived, so the report, taken as the worker
+    # answered, still wins while it is younger than load_ttl_s ...
+    fresh_eds = (endpoint(1, telemetry={"inflight": 4}), b)
+    assert {c.id: c for c in _candidates(picker, view(32), fresh_eds)}[a.id].outstanding_s == pytest.approx(0.008)
+    # ... and once it is older, the view's gauge counts again
+    clock.now += picker.router.costing.load_ttl_s
     assert {c.id: c for c in _candidates(picker, view(32), fresh_eds)}[a.id].outstanding_s > 0.02
 
 

@@ -122,12 +122,14 @@ def test_the_better_oracle_is_no_worse_than_any_balancer(load: float) -> None:
     oracle = [simulate(scenario, o, load)[0] for o in ORACLES]
     for configuration in COMPARED:
         other, _ = simulate(scenario, configuration, load)
-        assert min(r.mean_s for r in oracle) <= other.mean_s, configuration
-        assert max(r.goodput_rps for r in oracle) >= other.goodput_rps, configuration
-        # Greedy earliest completion is not a strict p99 bound: at 90% on this fleet inferlb_ext_proc, which
-        # keeps the slowest worker for short requests, has a p99 0.3% below the clairvoyant's (worse mean).
-        if load < 0.9 or configuration != "inferlb_ext_proc":
-            assert min(r.p99_s for r in oracle) <= other.p99_s, configuration
+        # Greedy earliest completion is not a strict bound, and inferlb_ext_proc runs within 2% of it on this
+        # fleet, on either side of it (p99 1.6% below it at 50% load, mean 0.1% below at 90%, goodput 0.4%
+        # above at 80%): it may keep a slow worker for short requests where the oracle commits greedily. So
+        # inferlb gets a 2% margin; every other balancer must be no better than the better oracle.
+        slack = 1.02 if configuration == "inferlb_ext_proc" else 1.0
+        assert min(r.mean_s for r in oracle) <= other.mean_s * slack, configuration
+        assert max(r.goodput_rps for r in oracle) * slack >= other.goodput_rps, configuration
+        assert min(r.p99_s for r in oracle) <= other.p99_s * slack, configuration
 
 
 def test_the_clairvoyant_knows_the_speed_schedule_by_hand() -> None:
