@@ -392,4 +392,6 @@ def test_live_fail_closed_without_ext_proc(tmp_path: Path) -> None:
         with running_envoy(config, tmp_path), httpx.Client(timeout=10, trust_env=False) as client:
             response = client.post(f"http://127.0.0.1:{settings.listener_port}/", content=b"{}")
             assert response.status_code == 503, response.text
-            assert response.json()["error"]["type"] == "server_error"
+            assert response.json()["error"] == {
+                "message": "the gateway's request processor (ext_proc) is unavailable; retry later",
+                "type": "server_error", "param": None, "code": "gateway_unavailable"}  # Envoy's body is empty

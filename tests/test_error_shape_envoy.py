@@ -10,6 +10,8 @@ Real processes on free ports (``tests/stack.py``): simulated workers, ``python -
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from .stack import (
     running_control_plane,
     running_envoy,
     running_ext_proc,
+    running_gateway,
     running_sim_workers,
     sample,
     wait_for,
@@ -164,3 +167,23 @@ def test_envoys_400_503_and_504_are_json(tmp_path: Path) -> None:
         error = openai_error(post_bytes(cp.listener_port, b'{"input": "hi"}'), 503)
         assert error == {"message": "no healthy upstream", "type": "server_error", "param": None,
                          "code": "upstream_unavailable"}
+
+
+def test_a_silent_ext_proc_behind_a_fail_closed_envoy_gets_a_504_that_says_so(tmp_path: Path) -> None:
+    """Fail closed (the control plane's require_api_keys: no request may skip ext_proc), a stopped ext_proc
+    leaves Envoy's 200 ms message timeout to answer: 504 with an empty body before, now a message that names
+    what did not answer. After SIGCONT the same stack serves again."""
+    with running_gateway(tmp_path, name="fail-closed",
+                         cp_env={"INFERLB_CP_DATA_PLANE__REQUIRE_API_KEYS": "true"}) as gw:
+        port = gw.cp.listener_port
+        wait_for(lambda: post_bytes(port, b'{"input": "hi"}').status_code == 200, 30, "a first 200", gw.procs)
+        pid = gw.ext_proc.proc.process.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            error = openai_error(post_bytes(port, b'{"input": "hi"}'), 504)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert error == {"message": "the gateway's request processor (ext_proc) did not answer in time; retry "
+                                    "later", "type": "server_error", "param": None, "code": "gateway_timeout"}
+        assert gw.envoy.stat("http.inferlb_http.ext_proc.message_timeouts") >= 1
+        wait_for(lambda: post_bytes(port, b'{"input": "hi"}').status_code == 200, 30, "a 200 again", gw.procs)

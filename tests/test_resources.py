@@ -126,17 +126,23 @@ def _comparisons(conditions) -> list[tuple[str, int]]:  # type: ignore[no-untype
             for c in conditions]
 
 
-def _mapped(config: hcm_pb2.LocalReplyConfig) -> dict[tuple, dict]:
-    """The local-reply mappers: their status conditions -> the error they answer with."""
+ENVOYS_OWN = "!response.code_details.startsWith('inferlb_')"  # not ext_proc's own reply (its details prefix)
+ENVOYS_EXT_PROC_FILTER = "response.code_details.startsWith('ext_proc_error')"  # Envoy answering for ext_proc
+
+
+def _mapped(config: hcm_pb2.LocalReplyConfig, expression: str = ENVOYS_OWN) -> dict[tuple, dict]:
+    """The local-reply mappers whose CEL condition is ``expression``: their status conditions -> the error
+    they answer with."""
     mapped = {}
     for mapper in config.mappers:
-        *conditions, not_ext_proc = mapper.filter.and_filter.filters
-        assert not_ext_proc.extension_filter.name == "envoy.access_loggers.extension_filters.cel"
-        expression = _unpack(not_ext_proc.extension_filter.typed_config, cel_pb2.ExpressionFilter).expression
-        assert expression == "!response.code_details.startsWith('inferlb_')"  # ext_proc's details prefix
+        *conditions, cel = mapper.filter.and_filter.filters
+        assert cel.extension_filter.name == "envoy.access_loggers.extension_filters.cel"
+        found = _unpack(cel.extension_filter.typed_config, cel_pb2.ExpressionFilter).expression
+        assert found in (ENVOYS_OWN, ENVOYS_EXT_PROC_FILTER)
         error = json_format.MessageToDict(mapper.body_format_override.json_format)["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["param"] is None
-        mapped[tuple(_comparisons(conditions))] = error
+        if found == expression:
+            mapped[tuple(_comparisons(conditions))] = error
     return mapped
 
 
@@ -155,6 +161,21 @@ def test_envoys_own_replies_become_openai_errors_and_ext_procs_stay_as_they_are(
     assert list(mapped)[-2:] == [(("GE", 400), ("LE", 499)), (("GE", 500),)]
     assert mapped[(("GE", 400), ("LE", 499))]["type"] == "invalid_request_error"
     assert mapped[(("GE", 500),)]["type"] == "server_error"
+
+
+def test_envoy_answering_for_an_unreachable_or_silent_ext_proc_says_so_first() -> None:
+    """Fail closed, Envoy's ext_proc filter answers 504 (a step timed out) or status_on_error (the stream
+    failed) with an empty body; those mappers come before the by-status ones, which would keep it empty."""
+    config = _hcm(DataPlaneSettings()).local_reply_config
+    mapped = _mapped(config, ENVOYS_EXT_PROC_FILTER)
+    assert list(mapped) == [(("EQ", 504),), (("GE", 400),)]
+    assert mapped[(("EQ", 504),)] == {"message": "the gateway's request processor (ext_proc) did not answer in "
+                                                 "time; retry later", "type": "server_error", "param": None,
+                                       "code": "gateway_timeout"}
+    assert mapped[(("GE", 400),)]["code"] == "gateway_unavailable"
+    first_two = [_unpack(m.filter.and_filter.filters[-1].extension_filter.typed_config, cel_pb2.ExpressionFilter)
+                 .expression for m in config.mappers[:2]]
+    assert first_two == [ENVOYS_EXT_PROC_FILTER] * 2
 
 
 def test_the_bench_without_a_body_limit_says_so_without_a_number() -> None:

@@ -48,6 +48,15 @@ OTHER_MESSAGE = "%LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"
 # shape, with their own codes; their response code details start with this, and no mapper touches them.
 EXT_PROC_DETAILS_PREFIX = "inferlb_"
 _NOT_FROM_EXT_PROC = f"!response.code_details.startsWith('{EXT_PROC_DETAILS_PREFIX}')"
+# Envoy's ext_proc filter answering for ext_proc when it cannot be had (fail closed: require_api_keys): its
+# details start with this (ext_proc_error_per-message_timeout_exceeded, ext_proc_error_gRPC_error_14{...})
+# and its body is empty. The details name internal addresses, so the message says what failed, not them.
+ENVOY_EXT_PROC_DETAILS_PREFIX = "ext_proc_error"
+_FROM_ENVOYS_EXT_PROC_FILTER = f"response.code_details.startsWith('{ENVOY_EXT_PROC_DETAILS_PREFIX}')"
+EXT_PROC_TIMEOUT = ("server_error", "gateway_timeout",
+                    "the gateway's request processor (ext_proc) did not answer in time; retry later")
+EXT_PROC_UNAVAILABLE = ("server_error", "gateway_unavailable",
+                        "the gateway's request processor (ext_proc) is unavailable; retry later")
 _RUNTIME_KEY = "inferlb.local_reply.status"  # required by the proto; nothing sets it
 
 
@@ -57,11 +66,16 @@ def _status(op: int, code: int) -> accesslog_pb2.AccessLogFilter:
         comparison=accesslog_pb2.ComparisonFilter(op=op, value=value)))  # type: ignore[arg-type]
 
 
+def _when(expression: str, *conditions: accesslog_pb2.AccessLogFilter) -> accesslog_pb2.AccessLogFilter:
+    """``conditions`` and the CEL ``expression`` (on the reply's response code details)."""
+    cel = accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(
+        name=CEL_FILTER, typed_config=pack(cel_pb2.ExpressionFilter(expression=expression))))
+    return accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=[*conditions, cel]))
+
+
 def _envoys_own(*conditions: accesslog_pb2.AccessLogFilter) -> accesslog_pb2.AccessLogFilter:
     """``conditions`` and: the reply is Envoy's own, not ext_proc's."""
-    not_ext_proc = accesslog_pb2.AccessLogFilter(extension_filter=accesslog_pb2.ExtensionFilter(
-        name=CEL_FILTER, typed_config=pack(cel_pb2.ExpressionFilter(expression=_NOT_FROM_EXT_PROC))))
-    return accesslog_pb2.AccessLogFilter(and_filter=accesslog_pb2.AndFilter(filters=[*conditions, not_ext_proc]))
+    return _when(_NOT_FROM_EXT_PROC, *conditions)
 
 
 def _openai_error(type_: str, code: str,
@@ -77,11 +91,17 @@ def build_local_reply_config(max_request_body_bytes: int | None) -> hcm_pb2.Loca
     400 malformed, ...) as ``{"error": {"message", "type", "param": null, "code"}}``, application/json.
 
     Only local replies are formatted: a worker's own error answer passes as it is. ext_proc's replies
-    (details ``inferlb_*``) too. ``max_request_body_bytes``: the limit the 413 message names (None: none
+    (details ``inferlb_*``) too. Envoy's ext_proc filter answering because ext_proc timed out or could
+    not be reached (fail closed) comes first, with a message of its own: Envoy's body is empty there. ``max_request_body_bytes``: the limit the 413 message names (None: none
     is configured). A pure function: the bench's static Envoys use the same (``MessageToDict`` of it).
     """
     op = accesslog_pb2.ComparisonFilter
-    mappers = []
+    mappers = [
+        hcm_pb2.ResponseMapper(filter=_when(_FROM_ENVOYS_EXT_PROC_FILTER, _status(op.EQ, 504)),
+                               body_format_override=_openai_error(*EXT_PROC_TIMEOUT)),
+        hcm_pb2.ResponseMapper(filter=_when(_FROM_ENVOYS_EXT_PROC_FILTER, _status(op.GE, 400)),
+                               body_format_override=_openai_error(*EXT_PROC_UNAVAILABLE)),
+    ]
     for status, (type_, code, message) in sorted(LOCAL_REPLIES.items()):
         if status == 413 and max_request_body_bytes is not None:
             message = f"request body is over the limit of {max_request_body_bytes} bytes"
