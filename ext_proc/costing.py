@@ -23,7 +23,9 @@ slow endpoints. Simulated at 80% with one ext_proc, preferring the view
 when it was the newer gave p99 94-118 ms on the real-worker fleet (4 seeds)
 and 210-217 ms on the default one (2 seeds). Preferring the report gave
 86-101 and 197-211 ms, and 2-6% lower p99 with 3 or 4 replicas
-(docs/benchmarks.md, "Closing the gap: the worker's own load report"). Everything we began or finished since is extrapolated, times
+(docs/benchmarks.md, "Closing the gap: the worker's own load report").
+
+Everything we began or finished since is extrapolated, times
 ``replica_factor`` (fleet requests/s in telemetry over our own decisions/s:
 about the number of ext_proc replicas): the other replicas are assumed to act
 as we do, so that ten replicas do not all herd onto a worker that looked idle

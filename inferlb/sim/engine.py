@@ -9,9 +9,9 @@ instant as an arrival is processed first (the slot it frees is free).
 A balancer's ``pick`` may answer ``SHED`` instead of a worker: the request is
 answered at once (ext_proc's 429) and never reaches a worker. It may also
 answer ``HELD``: the request waits in the balancer (ext_proc's fair admission
-queue) until a completion frees room, and the balancer's ``released`` hands
-it back with its worker then; its latency counts from its arrival all the same. With
-``priorities`` the workers' queues are the workers' ``JobQueue``s (``SimFleet``'s
+queue) until a completion frees room, when the balancer's ``released(now)``
+hands it back with its worker (or ``SHED``); its latency counts from its
+arrival all the same. With ``priorities`` the workers' queues are the workers' ``JobQueue``s (``SimFleet``'s
 ``queue_order``) and each queued request carries its class.
 
 Event tuples: ``(time, seq, kind, a, b)``; ``seq`` makes ties deterministic.
@@ -36,7 +36,7 @@ from .fleet import SimFleet
 _COMPLETE = 0
 _CALL = 1
 SHED = -1  # what ``Balancer.pick`` answers for a request it refuses (no worker serves it)
-HELD = -2  # what it answers for a request it keeps waiting (a balancer with ``released``)
+HELD = -2  # what it answers for a request it keeps waiting (only a balancer with ``released``)
 
 Tick = Callable[[float], "float | None"]
 
@@ -69,14 +69,6 @@ class Balancer(Protocol):
 
     def ticks(self) -> Sequence[tuple[float, Tick]]:
         """Periodic work (weight updates, scrapes): (first time, callable)."""
-        ...
-
-
-class Gate(Protocol):
-    """A balancer that can hold requests (``pick`` answering ``HELD``) has this too."""
-
-    def released(self, now: float) -> list[tuple[int, int]]:
-        """After a completion: the held requests that may go now, each with its worker (or ``SHED``)."""
         ...
 
 
@@ -127,7 +119,7 @@ class Engine:
         for first, call in balancer.ticks():
             self.at(first, call)
         started_at = [0.0] * n  # job start (for the busy-time bookkeeping)
-        reached = send if released is None else list(send)  # when it reached its worker (after any hold)
+        reached = list(send)  # when it reached its worker: its arrival, or when a hold released it
         service = [0.0] * n
         events = 0
         pending = 0  # requests on a worker
