@@ -23,6 +23,7 @@ from inferlb.bench.dataplanes.envoy_static import _manager, static_bootstrap
 from inferlb.bench.ext_proc_bench.command import QUICK, settle
 from inferlb.bench.ext_proc_bench.grpc_load import grpc_drive
 from inferlb.bench.ext_proc_bench.overhead import generator_kept_up, summarise
+from inferlb.bench.ext_proc_bench.profile import dso_group
 from inferlb.bench.ext_proc_bench.report import report, targets
 from inferlb.bench.ext_proc_bench.stack import (
     ext_proc_filter_stats, fake_worker, static_envoy, trivial_servicer, trivial_uds,
@@ -119,6 +120,19 @@ def test_the_bench_reads_ext_procs_front_from_its_metrics() -> None:
     assert grpc_front(generate_latest(metrics.registry).decode()) is None  # not serving yet
     metrics.grpc_front = "native"
     assert grpc_front(generate_latest(metrics.registry).decode()) == "native"
+
+
+@pytest.mark.parametrize(("dso", "group"), [
+    ("libc.so.6", "libc / libstdc++ / malloc / the loader"),
+    ("libstdc++.so.6.0.30", "libc / libstdc++ / malloc / the loader"),  # was "other": only "libc" matched
+    ("ld-linux-x86-64.so.2", "libc / libstdc++ / malloc / the loader"),
+    ("libcrypto.so.3", "other"),  # "libc" is in its name, and it is not libc
+    ("libpython3.11.so.1.0", "Python interpreter (ext_proc, asyncio, grpc's Python code)"),
+    ("libabsl_synchronization.so.20220623.0.0", "gRPC C++ + abseil (the native front)"),
+    ("[kernel.kallsyms]", "kernel (syscalls, loopback TCP, scheduling)"),
+])
+def test_perf_groups_shared_objects_by_name(dso: str, group: str) -> None:
+    assert dso_group(dso) == group
 
 
 def test_quick_mode_and_options_parse() -> None:

@@ -53,8 +53,14 @@ PERF_DSOS = (  # (label, substrings of the DSO name), first match wins
     ("protobuf (upb)", ("_message",)),
     ("orjson", ("orjson",)),
     ("kernel (syscalls, loopback TCP, scheduling)", ("[kernel",)),
-    ("libc / libstdc++ / malloc", ("libc",)),
+    # not a bare "libc": it is in libcrypto's name too
+    ("libc / libstdc++ / malloc / the loader", ("libc.so", "libc-", "libstdc++", "libgcc_s", "libm.so", "ld-linux")),
 )
+
+
+def dso_group(dso: str) -> str:
+    """The ``PERF_DSOS`` label of a shared object's name as ``perf report`` prints it; "other" for none."""
+    return next((label for label, needles in PERF_DSOS if any(n in dso for n in needles)), "other")
 
 
 def categorise(key: tuple[str, int, str]) -> str:
@@ -100,8 +106,7 @@ async def perf_profile(args: Any, st: Stack, messages: Messages, log: Log) -> di
             by_dso[parts[1].strip()] = float(parts[0].rstrip("%"))
     grouped: dict[str, float] = collections.defaultdict(float)
     for dso, share in by_dso.items():
-        label = next((lab for lab, needles in PERF_DSOS if any(n in dso for n in needles)), "other")
-        grouped[label] += share
+        grouped[dso_group(dso)] += share
     return {"load": load, "by_dso_percent": by_dso,
             "by_group_percent": dict(sorted(grouped.items(), key=lambda kv: -kv[1]))}
 
