@@ -277,6 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = " ".join(c for c in ("inferlb", args.command, getattr(args, "bench_command", None)) if c)
         print(f"{command}: --workers must be >= 1", file=sys.stderr)
         return 2
+    if args.command == "bench":
+        from inferlb.bench.fleet import dropped_settings
+
+        dropped = dropped_settings()
+        if dropped:
+            print(f"inferlb bench: the components it starts run without your {', '.join(dropped)}: a benchmark "
+                  "measures the defaults and its own options", file=sys.stderr)
     return int(args.func(args))
 
 

@@ -81,6 +81,24 @@ def test_a_bad_setting_exits_2_with_the_reason() -> None:
     assert "port must be 1..65535" in out.stderr
 
 
+def test_the_bench_says_which_of_your_settings_its_components_run_without() -> None:
+    """The bench keeps INFERLB_* from what it starts (a developer's settings must not change a benchmark); it
+    says so, or a run could be taken for one with those settings. INFERLB_DATA_DIR it uses itself."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERLB_")}
+    env.update(INFERLB_EXT_PROC_FAIR_QUEUE_DEPTH="1", INFERLB_CP_DATA_PLANE__RETRIES="0",
+               INFERLB_DATA_DIR=os.environ.get("INFERLB_DATA_DIR", "/nonexistent"))
+    out = subprocess.run([sys.executable, "-m", "inferlb.cli", "bench", "run", "--scenario", "/nonexistent.toml"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert out.returncode == 2 and "cannot read scenario" in out.stderr
+    note = next(line for line in out.stderr.splitlines() if line.startswith("inferlb bench: "))
+    assert "INFERLB_CP_DATA_PLANE__RETRIES, INFERLB_EXT_PROC_FAIR_QUEUE_DEPTH:" in note
+    assert "INFERLB_DATA_DIR" not in note
+    del env["INFERLB_EXT_PROC_FAIR_QUEUE_DEPTH"], env["INFERLB_CP_DATA_PLANE__RETRIES"]
+    quiet = subprocess.run([sys.executable, "-m", "inferlb.cli", "bench", "run", "--scenario", "/nonexistent.toml"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert quiet.returncode == 2 and "inferlb bench: " not in quiet.stderr
+
+
 # --- `inferlb up` / `inferlb status`: command lines, the status file and the lock (no processes) ----------
 
 def _stack(tmp_path: Path, **kwargs):  # type: ignore[no-untyped-def]

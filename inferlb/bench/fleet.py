@@ -54,6 +54,14 @@ def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
+def dropped_settings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The INFERLB_* variables of ``environ`` (ours by default) that ``child_env`` keeps from the children:
+    the bench says so at start, so that nobody takes a run for one with those settings. Not
+    INFERLB_DATA_DIR: the bench reads it itself (where the model is) and hands it on."""
+    return sorted(k for k in (os.environ if environ is None else environ)
+                  if k.startswith("INFERLB_") and k != "INFERLB_DATA_DIR")
+
+
 def worker_argv(fleet: Fleet, worker: int, port: int, python: str = sys.executable) -> list[str]:
     """``python -m workers --simulate`` with the scenario's speed, slots and (scaled) cost curve."""
     spec = fleet.workers[worker]
