@@ -117,6 +117,7 @@ class NativeServer:
         self._handlers = dict(handlers)
         self._front: Any = front.Front(list(targets), max_message_bytes, reuse_port, with_metadata)
         self._open: dict[int, _Open] = {}
+        self._ending: set[asyncio.Task[None]] = set()  # cancelled by a CLOSED event, their handlers not yet out
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._front.fileno(), self._on_events)
         self._stopped = False
@@ -141,8 +142,10 @@ class NativeServer:
                     stream.messages.close()
             elif kind == kinds.CLOSED:  # finished, or cancelled by the client: either way its task is done
                 stream = self._open.pop(sid, None)
-                if stream is not None:
+                if stream is not None and not stream.task.done():
                     stream.task.cancel()
+                    self._ending.add(stream.task)
+                    stream.task.add_done_callback(self._ending.discard)
 
     def _opened(self, sid: int, method: str, metadata: Metadata | None) -> None:
         handler = self._handlers.get(method)
@@ -169,7 +172,9 @@ class NativeServer:
             self._open.pop(sid, None)
 
     async def stop(self, grace: float | None) -> None:
-        """Refuse new streams, let open ones finish for up to ``grace`` seconds, then cancel them."""
+        """Refuse new streams, let open ones finish for up to ``grace`` seconds, then cancel them; returns once
+        every handler has ended, those the front closed itself (a CLOSED event, even one that came while it
+        stopped) included."""
         if self._stopped:
             return
         self._stopped = True
@@ -180,4 +185,4 @@ class NativeServer:
         self._open.clear()
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, *self._ending, return_exceptions=True)
