@@ -166,65 +166,47 @@ def test_a_stream_the_client_cancels_cancels_its_handler() -> None:
     asyncio.run(scenario())
 
 
+async def _stop_with_a_stream_open(pause_events: bool) -> None:
+    """A handler that echoes one message, then hangs; ``stop(0.1)`` returns only once it has ended, its call
+    fails and the port is closed. ``pause_events``: the loop's reader of the front's events is removed first."""
+    ended = asyncio.Event()
+
+    async def hangs(messages: Messages, invocation: Invocation) -> AsyncIterator[bytes]:
+        try:
+            async for message in messages:
+                yield message
+                await asyncio.Event().wait()
+        finally:
+            ended.set()
+
+    assert FRONT is not None
+    port = free_port()
+    server = NativeServer(FRONT, {"/t.T/Hang": hangs}, [f"127.0.0.1:{port}"], 1 << 20)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = raw_call(channel, "/t.T/Hang")
+        await call.write(b"x")
+        assert await call.read() == b"x"
+        if pause_events:
+            asyncio.get_running_loop().remove_reader(server._front.fileno())  # events wait for stop's drain
+        await server.stop(0.1)
+        assert ended.is_set() and server.open_streams == 0
+        assert await call.code() != grpc.StatusCode.OK
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
 @needs_front
 def test_stop_cancels_what_is_still_open_after_the_grace_and_closes_the_port() -> None:
-    async def scenario() -> None:
-        ended = asyncio.Event()
-
-        async def hangs(messages: Messages, invocation: Invocation) -> AsyncIterator[bytes]:
-            try:
-                async for message in messages:
-                    yield message
-                    await asyncio.Event().wait()
-            finally:
-                ended.set()
-
-        assert FRONT is not None
-        port = free_port()
-        server = NativeServer(FRONT, {"/t.T/Hang": hangs}, [f"127.0.0.1:{port}"], 1 << 20)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = raw_call(channel, "/t.T/Hang")
-            await call.write(b"x")
-            assert await call.read() == b"x"
-            await server.stop(0.1)
-            assert ended.is_set()
-            assert await call.code() != grpc.StatusCode.OK
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection(("127.0.0.1", port), timeout=5).close()
-
-    asyncio.run(scenario())
+    asyncio.run(_stop_with_a_stream_open(pause_events=False))
 
 
 @needs_front
 def test_stop_waits_for_a_handler_the_front_closed_while_it_stopped() -> None:
     """A race seen once in ``make test`` (the test above failed): the front's CLOSED event for the stream it
     cancelled at the end of the grace was read by stop's own last drain, which cancelled the handler's task
-    but did not wait for it, so stop returned with the handler still running. Here the loop's reader of the
-    front's events is paused, so that the event is always read there."""
-    async def scenario() -> None:
-        ended = asyncio.Event()
-
-        async def hangs(messages: Messages, invocation: Invocation) -> AsyncIterator[bytes]:
-            try:
-                async for message in messages:
-                    yield message
-                    await asyncio.Event().wait()
-            finally:
-                ended.set()
-
-        assert FRONT is not None
-        port = free_port()
-        server = NativeServer(FRONT, {"/t.T/Hang": hangs}, [f"127.0.0.1:{port}"], 1 << 20)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = raw_call(channel, "/t.T/Hang")
-            await call.write(b"x")
-            assert await call.read() == b"x"
-            asyncio.get_running_loop().remove_reader(server._front.fileno())  # events wait for stop's drain
-            await server.stop(0.1)
-            assert ended.is_set()
-            assert server.open_streams == 0
-
-    asyncio.run(scenario())
+    but did not wait for it, so stop returned with the handler still running. With the loop's reader of the
+    front's events paused, the event is always read there."""
+    asyncio.run(_stop_with_a_stream_open(pause_events=True))
 
 
 @needs_front
