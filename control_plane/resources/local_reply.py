@@ -93,7 +93,8 @@ def build_local_reply_config(max_request_body_bytes: int | None) -> hcm_pb2.Loca
     Only local replies are formatted: a worker's own error answer passes as it is. ext_proc's replies
     (details ``inferlb_*``) too. Envoy's ext_proc filter answering because ext_proc timed out or could
     not be reached (fail closed) comes first, with a message of its own: Envoy's body is empty there.
-    ``max_request_body_bytes``: the limit the 413 message names (None: none is configured). A pure function: the bench's static Envoys use the same (``MessageToDict`` of it).
+    ``max_request_body_bytes``: the limit the 413 message names (None: none is configured). A pure
+    function: the bench's static Envoys use the same (``MessageToDict`` of it).
     """
     op = accesslog_pb2.ComparisonFilter
     mappers = [

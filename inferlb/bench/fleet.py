@@ -47,19 +47,21 @@ class FleetLayout:
         return f"http://{HOST}:{self.ports[worker]}"
 
 
+SETTINGS_PREFIX = "INFERLB_"  # the services' and the CLI's settings in the environment
+
+
 def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of every bench child: ours without INFERLB_* settings (a developer's own
     configuration must not change a benchmark), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERLB_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SETTINGS_PREFIX)}
     return {**env, **(extra or {})}
 
 
-def dropped_settings(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The INFERLB_* variables of ``environ`` (ours by default) that ``child_env`` keeps from the children:
-    the bench says so at start, so that nobody takes a run for one with those settings. Not
-    INFERLB_DATA_DIR: the bench reads it itself (where the model is) and hands it on."""
-    return sorted(k for k in (os.environ if environ is None else environ)
-                  if k.startswith("INFERLB_") and k != "INFERLB_DATA_DIR")
+def dropped_settings() -> list[str]:
+    """Our INFERLB_* variables that ``child_env`` keeps from the children: the bench says so at start, so
+    that nobody takes a run for one with those settings. Not INFERLB_DATA_DIR: the bench reads it itself
+    (where the model is) and hands it on."""
+    return sorted(k for k in os.environ if k.startswith(SETTINGS_PREFIX) and k != "INFERLB_DATA_DIR")
 
 
 def worker_argv(fleet: Fleet, worker: int, port: int, python: str = sys.executable) -> list[str]:

@@ -2,10 +2,11 @@
 configuration ran more than once.
 
 Why rounds: on a shared host one run per configuration rests on a few dozen requests for its p99, and on
-what else the host did that minute. In the real-worker runs of docs/benchmarks.md the same configuration's
-p99 varied by up to an order of magnitude between rounds, far more than between configurations. So the runner can repeat
-the comparison, each round in a rotated order (``runner.plan_rounds``), and the verdict is taken from the
-median over the rounds, here: pure functions of the ``RunResult``s, which carry their ``round``.
+what else the host did that minute. In the real-worker runs of docs/benchmarks.md the same
+configuration's p99 varied by up to an order of magnitude between rounds, far more than between
+configurations. So the runner can repeat the comparison, each round in a rotated order
+(``runner.plan_rounds``), and the verdict is taken from the median over the rounds, here: pure functions
+of the ``RunResult``s, which carry their ``round``.
 """
 
 from __future__ import annotations

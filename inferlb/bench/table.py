@@ -87,6 +87,11 @@ def spread_by_speed(r: RunResult) -> str:
                      for speed, n in sorted(by_speed.items(), reverse=True))
 
 
+def _in_order(results: Sequence[RunResult]) -> list[RunResult]:
+    """Steady runs by load, then the slowdown runs; rounds in order within each."""
+    return sorted(results, key=lambda r: (r.run != "steady", r.load, r.run, r.round))
+
+
 def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench", capacity_rps: float | None = None,
                     capacity_note: str = "") -> str:
     """The whole table.md: one row per run (steady runs by load, then the slowdown runs), then the ratios.
@@ -107,14 +112,13 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
         + " offered req/s | p50 ms | p90 ms | p99 ms | p99.9 ms | goodput/s | completed | errors | timeouts | host CPU |",
         "|---|---|---:|" + ("---:|" if rounds > 1 else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    ordered = sorted(results, key=lambda r: (r.run != "steady", r.load, r.run, r.round))
-    for r in ordered:
+    judged_rows = _in_order(verdict)
+    for r in _in_order(results):
         lines.append(
             f"| {r.configuration} | {r.run} | {r.load:.0%} |" + (f" {r.round} |" if rounds > 1 else "")
             + f" {r.offered_rps:.1f} | {ms(r.p50_s)} | {ms(r.p90_s)} | {ms(r.p99_s)} | {ms(r.p999_s)} "
             f"| {r.goodput_rps:.1f} | {r.completed} | {r.errors} | {r.timeouts} | {_cpu(r)} |")
     if rounds > 1:
-        ordered = sorted(verdict, key=lambda r: (r.run != "steady", r.load, r.run))
         lines += ["", f"## Medians over {rounds} rounds", "",
                   "Each configuration ran once per round, the order rotated each round. The verdicts below are "
                   "taken from these medians.", "",
@@ -122,8 +126,8 @@ def render_markdown(results: Sequence[RunResult], *, title: str = "inferlb bench
                   "| goodput/s | completed (all rounds) | host CPU |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
         lines += [f"| {r.configuration} | {r.run} | {r.load:.0%} | {r.extra['rounds']} | {ms(r.p50_s)} "
                   f"| {ms(r.p99_s)} | {ms(r.extra['p99_min_s'])} - {ms(r.extra['p99_max_s'])} "
-                  f"| {r.goodput_rps:.1f} | {r.completed} | {_cpu(r)} |" for r in ordered]
-    spread_rows = [(r, spread_by_speed(r)) for r in ordered]
+                  f"| {r.goodput_rps:.1f} | {r.completed} | {_cpu(r)} |" for r in judged_rows]
+    spread_rows = [(r, spread_by_speed(r)) for r in judged_rows]
     if any(text for _, text in spread_rows):
         lines += ["", "## Spread", "", "Completed requests per worker, by the worker's speed (mean over the workers "
                   "of that speed).", "", "| configuration | run | load | spread |", "|---|---|---:|---|"]
