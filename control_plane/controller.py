@@ -41,7 +41,7 @@ from .debounce import Debouncer
 from .discovery.model import DiscoverySnapshot, DiscoverySource
 from .discovery.reconcile import Override, Reconciled, SourceMemory, reconcile
 from .metrics import ControlPlaneMetrics
-from .model import Endpoint, FleetState
+from .model import Endpoint, FleetState, Health
 from .policy import WeightPolicy, fleet_view
 from .policy_guard import WeightPolicyGuard
 from .policy_registry import WeightPolicyRegistry
@@ -195,8 +195,9 @@ class Controller:
             old = before.get(e.id)
             if old is None:
                 continue
-            if old.health != e.health:
-                log.warning("endpoint health changed", extra={"endpoint": e.id, "health": e.health.value})
+            if old.health != e.health:  # back to healthy is good news (INFO); anything else needs a look
+                level = logging.INFO if e.health is Health.HEALTHY else logging.WARNING
+                log.log(level, "endpoint health changed", extra={"endpoint": e.id, "health": e.health.value})
             if (old.models, old.model_aliases, old.pool) != (e.models, e.model_aliases, e.pool):
                 log.info("endpoint models changed", extra={"endpoint": e.id, "models": list(e.models),
                                                            "model_aliases": list(e.model_aliases), "pool": e.pool})
