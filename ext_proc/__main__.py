@@ -29,6 +29,7 @@ from inferlb_runtime.tracing import Tracing, TracingConfig, start_tracing
 from .config import ExtProcConfig, load_config
 from .fair_queue import GateSettings
 from .metrics import ExtProcMetrics, LiveState, create_http_app
+from .quota import QuotaStore
 from .quota_stores import open_quota_store
 from .registry import PluginRegistry
 from .response_cache_redis import RedisResponseCache
@@ -60,41 +61,42 @@ def xds_tls(config: ExtProcConfig) -> PemFiles | None:
                           settings=("xds_tls_cert", "xds_tls_key", "xds_tls_ca"))
 
 
-async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | None = None) -> None:
-    counter = await asyncio.to_thread(TokenCounter.from_package, inline_body_bytes=config.inline_count_bytes)
-    holder: list[ExtProcServicer] = []
-    metrics = ExtProcMetrics(lambda: holder[0].live_state() if holder else LiveState())
-    xds = XdsClient(XdsClientSettings(
+def xds_settings(config: ExtProcConfig, tls: PemFiles | None) -> XdsClientSettings:
+    """The xDS client's settings, from the service's configuration."""
+    return XdsClientSettings(
         target=config.xds_target, node_id=config.node_id, node_cluster=config.node_cluster,
         cluster=config.workers_cluster, delta=config.xds_mode == "delta",
         backoff_initial_s=config.reconnect_initial_s, backoff_max_s=config.reconnect_max_s,
         tls=tls, tls_server_name=config.xds_tls_server_name, metrics_port=config.metrics_port,
-    ), observer=metrics)
-    quotas = open_quota_store(config.quota_store, config.quota_failure_mode, config.quota_store_timeout_ms / 1000,
-                              config.quota_lease_ttl_s, metrics)
-    shared_cache = None
-    if config.cache_store != "memory" and config.cache_max_bytes:
-        shared_cache = RedisResponseCache.from_url(config.cache_store, timeout_s=config.cache_store_timeout_ms / 1000,
-                                                   ttl_s=config.cache_ttl_s, max_bytes=config.cache_store_max_bytes)
-    servicer = ExtProcServicer.create(
-        ServiceSettings(pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
-                        response_headers=config.response_headers, max_body_bytes=config.max_body_bytes,
-                        require_api_keys=config.require_api_keys, fair_queue_depth=config.fair_queue_depth,
-                        slow_start_s=config.slow_start_s,
-                        cache_max_bytes=config.cache_max_bytes, cache_ttl_s=config.cache_ttl_s,
-                        cache_max_entry_bytes=config.cache_max_entry_bytes, cache_per_tenant=config.cache_per_tenant,
-                        fair_queue=GateSettings(max_wait_s=config.fair_queue_max_wait_s,
-                                                max_queued=config.fair_queue_max_queued,
-                                                max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,
-                                                aging_s=config.fair_queue_aging_s)),
-        xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params), config.policy_allowlist,
-        quotas, shared_cache, tracing)
-    holder.append(servicer)
-    health = HealthReporter(xds)
-    grpc_server = await serve_grpc(servicer, health, config.grpc_targets, config.grpc_max_message_bytes,
-                                   config.reuse_port, config.grpc_front)
-    metrics.grpc_front = grpc_server.front
-    xds.start()
+    )
+
+
+def service_settings(config: ExtProcConfig) -> ServiceSettings:
+    """The servicer's settings, from the service's configuration."""
+    return ServiceSettings(
+        pick_header=config.pick_header, pick_metadata_namespace=config.pick_metadata_namespace,
+        response_headers=config.response_headers, max_body_bytes=config.max_body_bytes,
+        require_api_keys=config.require_api_keys, fair_queue_depth=config.fair_queue_depth,
+        slow_start_s=config.slow_start_s,
+        cache_max_bytes=config.cache_max_bytes, cache_ttl_s=config.cache_ttl_s,
+        cache_max_entry_bytes=config.cache_max_entry_bytes, cache_per_tenant=config.cache_per_tenant,
+        fair_queue=GateSettings(max_wait_s=config.fair_queue_max_wait_s, max_queued=config.fair_queue_max_queued,
+                                max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,
+                                aging_s=config.fair_queue_aging_s))
+
+
+def open_shared_cache(config: ExtProcConfig) -> RedisResponseCache | None:
+    """The cache level shared by the replicas (a Redis URL), or None: in-process only, or no cache at all."""
+    if config.cache_store == "memory" or not config.cache_max_bytes:
+        return None
+    return RedisResponseCache.from_url(config.cache_store, timeout_s=config.cache_store_timeout_ms / 1000,
+                                       ttl_s=config.cache_ttl_s, max_bytes=config.cache_store_max_bytes)
+
+
+def metrics_server(config: ExtProcConfig, metrics: ExtProcMetrics, xds: XdsClient) -> EmbeddedServer | None:
+    """``/metrics``, ``/healthz`` and ``/readyz`` on the metrics port; None when that port is 0."""
+    if not config.metrics_port:
+        return None
 
     def not_ready() -> str | None:
         if xds.view is None:
@@ -103,18 +105,65 @@ async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | No
             return f"API keys are required and no key table from the control plane at {config.xds_target} yet"
         return None
 
-    tasks: list[asyncio.Task[object]] = []
-    http = None
-    if config.metrics_port:
-        http = EmbeddedServer(uvicorn.Config(
-            create_http_app(metrics, not_ready), host=config.metrics_address, port=config.metrics_port,
-            log_config=None, access_log=False, lifespan="off",
-        ))
-        tasks.append(asyncio.create_task(http.serve(), name="metrics-http"))
+    return EmbeddedServer(uvicorn.Config(
+        create_http_app(metrics, not_ready), host=config.metrics_address, port=config.metrics_port,
+        log_config=None, access_log=False, lifespan="off",
+    ))
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set (the loop's handlers replace the default: no abrupt exit)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def until_stopped(stop: asyncio.Event, tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Until ``stop`` is set or one of ``tasks`` ends: a component that fails stops the process, logged."""
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        await asyncio.gather(stopper, return_exceptions=True)
+    for task in done:
+        if task in tasks and task.exception() is not None:
+            log.error("component failed", extra={"task": task.get_name(), "error": repr(task.exception())})
+
+
+async def close_stores(servicer: ExtProcServicer, quotas: QuotaStore, shared_cache: RedisResponseCache | None) -> None:
+    """The fair queue's, the quota store's and the shared cache's connections and tasks."""
+    if servicer.gate is not None:
+        await servicer.gate.aclose()
+    await quotas.aclose()
+    if shared_cache is not None:
+        await shared_cache.aclose()
+
+
+async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | None = None) -> None:
+    """The service, until SIGINT or SIGTERM (or a component fails): NOT_SERVING first, then the streams
+    in flight get their grace, then the rest closes."""
+    counter = await asyncio.to_thread(TokenCounter.from_package, inline_body_bytes=config.inline_count_bytes)
+    holder: list[ExtProcServicer] = []
+    metrics = ExtProcMetrics(lambda: holder[0].live_state() if holder else LiveState())
+    xds = XdsClient(xds_settings(config, tls), observer=metrics)
+    quotas = open_quota_store(config.quota_store, config.quota_failure_mode, config.quota_store_timeout_ms / 1000,
+                              config.quota_lease_ttl_s, metrics)
+    shared_cache = open_shared_cache(config)
+    servicer = ExtProcServicer.create(
+        service_settings(config), xds, metrics, counter, PickPolicySpec(config.pick_policy, config.pick_params),
+        config.policy_allowlist, quotas, shared_cache, tracing)
+    holder.append(servicer)
+    health = HealthReporter(xds)
+    grpc_server = await serve_grpc(servicer, health, config.grpc_targets, config.grpc_max_message_bytes,
+                                   config.reuse_port, config.grpc_front)
+    metrics.grpc_front = grpc_server.front
+    xds.start()
+    http = metrics_server(config, metrics, xds)
+    tasks: list[asyncio.Task[Any]] = [] if http is None else [asyncio.create_task(http.serve(), name="metrics-http")]
+    stop = stop_on_signals()
     log.info("ext_proc started", extra={
         "grpc": config.grpc_targets, "metrics": f"{config.metrics_address}:{config.metrics_port}",
         "xds": config.xds_target, "xds_mode": config.xds_mode, "xds_mtls": tls is not None,
@@ -124,24 +173,15 @@ async def run(config: ExtProcConfig, tls: PemFiles | None, tracing: Tracing | No
         "cache_store": redacted_url(config.cache_store), "tracing": tracing is not None,
         "grpc_front": grpc_server.front,
     })
-    stopper = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-    for task in done:
-        if task in tasks and task.exception() is not None:
-            log.error("component failed", extra={"task": task.get_name(), "error": repr(task.exception())})
+    await until_stopped(stop, tasks)
     log.info("stopping")
     await health.stop()  # NOT_SERVING first
     await grpc_server.stop(SHUTDOWN_GRACE_S)
     await xds.stop()
-    if servicer.gate is not None:
-        await servicer.gate.aclose()
-    await quotas.aclose()
-    if shared_cache is not None:
-        await shared_cache.aclose()
+    await close_stores(servicer, quotas, shared_cache)
     if http is not None:
         http.should_exit = True
-    stopper.cancel()
-    await asyncio.gather(stopper, *tasks, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
     if tracing is not None:  # the last spans, off the loop (the flush waits on the collector)
         await asyncio.to_thread(tracing.shutdown)
     log.info("stopped")
