@@ -232,12 +232,20 @@ class ExtProcMetrics:
         self._models: set[str] = set()  # the model labels in use
         self._response_bucket_names = [_le(b) for b in RESPONSE_BUCKETS] + ["+Inf"]
         r.register(_HotCollector(self))
-        # Rare events: prometheus_client counters.
+        # Rare events: prometheus_client metrics, by area (in this order in the exposition).
+        self._register_xds_and_policy(r)
+        self._register_quota(r)
+        self._register_fair_queue(r)
+        self._register_failures(r)
+        self._register_cache(r)
+
+    def _register_xds_and_policy(self, r: CollectorRegistry) -> None:
         self.xds_updates = Counter(f"{PREFIX}xds_updates", "EDS responses, by result.", ["result"], registry=r)
         self.xds_connects = Counter(f"{PREFIX}xds_connects", "ADS streams established.", registry=r)
         self.policy_switches = Counter(f"{PREFIX}policy_switches", "Pick-policy changes, by result.",
                                        ["result"], registry=r)
-        # User plugins of the pick chain report contained failures here (through the registry's observer).
+
+    def _register_quota(self, r: CollectorRegistry) -> None:
         self.quota_decisions = Counter(f"{PREFIX}quota_decisions", "Quota checks, by result: admitted, limited "
                                        "(429), failed_open / failed_closed (the quota store unreachable or too "
                                        "slow; the configured failure mode decided).", ["result"], registry=r)
@@ -249,7 +257,9 @@ class ExtProcMetrics:
                                              "store (Redis).", buckets=STORE_BUCKETS, registry=r)
         for result in ("admitted", "limited", "failed_open", "failed_closed"):
             self.quota_decisions.labels(result=result)
-        # Fair admission (ext_proc/fair_queue.py); requests that passed at once are not reported.
+
+    def _register_fair_queue(self, r: CollectorRegistry) -> None:
+        """Fair admission (ext_proc/fair_queue.py); requests that passed at once are not reported."""
         self.fair_queue_depth = Gauge(f"{PREFIX}fair_queue_depth", "Requests waiting in the fair admission queue, "
                                       "by tenant.", ["tenant"], registry=r)
         self.fair_queue_waits = Histogram(f"{PREFIX}fair_queue_wait_seconds", "Time requests waited in the fair "
@@ -258,13 +268,19 @@ class ExtProcMetrics:
                                           buckets=WAIT_BUCKETS, registry=r)
         self.fair_queue_refusals = Counter(f"{PREFIX}fair_queue_refusals", "Requests refused at the fair queue's "
                                            "door, by reason (queue_full, tenant_full).", ["reason"], registry=r)
+
+    def _register_failures(self, r: CollectorRegistry) -> None:
+        """Contained failures: supervised background tasks, and user plugins of the pick chain (reported
+        through the plugin registry's observer)."""
         self.task_failures = Counter(f"{PREFIX}task_failures", "Failures of supervised background tasks, by task "
                                      "(each is logged and retried).", ["task"], registry=r)
         self.policy_failures = Counter(f"{PREFIX}policy_failures",
                                        "User pick-chain plugin calls contained (the chain went on without it, or "
                                        "it was over its time budget), by plugin and reason.", ["policy", "reason"],
                                        registry=r)
-        # The gateway cache (ext_proc/response_cache.py), by level ("memory"; "redis": the shared level).
+
+    def _register_cache(self, r: CollectorRegistry) -> None:
+        """The gateway cache (ext_proc/response_cache.py), by level ("memory"; "redis": the shared level)."""
         self.cache_requests = Counter(f"{PREFIX}cache_requests", "Cacheable requests by cache level and result: "
                                       "hit, miss, bypass (Cache-Control: no-cache: no lookup).", ["level", "result"],
                                       registry=r)
