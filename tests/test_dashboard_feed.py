@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control_plane.dashboard import STATIC_DIR
+from control_plane.admin.dashboard import STATIC_DIR
 
 from .stack import ControlPlane, http, running_control_plane, running_sim_workers
 from .test_admin_api import assert_error

@@ -1,4 +1,4 @@
-"""The dashboard's pure view (``control_plane.dashboard_view``) without a network, and the vendored
+"""The dashboard's pure view (``control_plane.admin.dashboard_view``) without a network, and the vendored
 front-end library against its pinned hashes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane import dashboard_view as view
+from control_plane.admin import dashboard_view as view
 from control_plane.api_models import (
     ActivePolicy,
     AvailablePolicies,
@@ -28,7 +28,7 @@ from control_plane.api_models import (
     XdsClientOut,
     XdsClients,
 )
-from control_plane.dashboard import STATIC_DIR, STATIC_FILES, sse_event
+from control_plane.admin.dashboard import STATIC_DIR, STATIC_FILES, sse_event
 from control_plane.telemetry import parse_families
 
 A, B = "127.0.0.1:8101", "127.0.0.1:8102"

@@ -31,17 +31,18 @@ from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .api_models import EndpointList, ModelCatalogueOut, PolicyState, XdsClients
-from .config import ControlPlaneConfig
-from .replica_activity import MetricsTarget
-from .scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
-from .telemetry import parse_families
+from ..api_models import EndpointList, ModelCatalogueOut, PolicyState, XdsClients
+from ..config import ControlPlaneConfig
+from ..replica_activity import MetricsTarget
+from ..scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
+from ..telemetry import parse_families
 from . import dashboard_view as view
 from .dashboard_view import GatewayCounters, GatewayStatus, History, Sources
 
 log = logging.getLogger("inferlb.control_plane.dashboard")
 
-STATIC_DIR = Path(__file__).resolve().parent / "dashboard_static"
+# The files stay beside the package (control_plane/dashboard_static): the package data names them there.
+STATIC_DIR = Path(__file__).resolve().parent.parent / "dashboard_static"
 # The only files served (name -> media type): a request names a key of this table, never a path.
 STATIC_FILES = {
     "index.html": "text/html; charset=utf-8",
@@ -75,7 +76,7 @@ class FleetSource(Protocol):
 
 
 class AdminViews(Protocol):
-    """What the feed reads of the admin service (``admin.AdminService``): the same views as ``/v1``."""
+    """What the feed reads of the admin service (``service.AdminService``): the same views as ``/v1``."""
 
     @property
     def controller(self) -> FleetSource: ...
