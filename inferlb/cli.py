@@ -18,7 +18,7 @@ from .components import DATAPLANES, DEFAULT_MODELS, StackPorts, WorkerOptions, s
 from .pool_scaler import ScalerSettings, elastic_pool, parse_bounds
 from .sim.cli import add_sim_parser
 from .stack_state import StackLock, StackRunning
-from .status import add_status_arguments, cmd_status
+from .status import add_status_arguments, cmd_status, status_hint
 from .supervisor import Component, StackInfo, Supervisor
 
 __all__ = ["StackPorts", "build_parser", "main"]
@@ -86,7 +86,7 @@ def summary(ports: StackPorts, dataplane: str, links: dict[str, str], data_dir: 
         KEY_EXAMPLE.format(admin=p.control_plane_admin, token=data_dir / "admin-token", port=p.listener)
         if require_api_keys else CURL_EXAMPLE.format(port=p.listener),
         "",
-        f"`inferlb status --data-dir {data_dir}` shows what runs. Ctrl-C stops everything.",
+        f"{status_hint(data_dir)} Ctrl-C stops everything.",
         "",
     ])
 

@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -118,20 +120,54 @@ def as_json(stack: StackStatus, observed: list[Observed], now: float) -> str:
     }, indent=2)
 
 
+def status_hint(data_dir: Path, executable: str = sys.executable, cwd: Path | None = None) -> str:
+    """The `inferlb up` summary's line on `inferlb status`.
+
+    `make up` runs `.venv/bin/inferlb`, which a newcomer's next shell does not have on its PATH, so
+    the line names the venv's own command (relative to the working directory when it is under it) and
+    how to activate the venv; when `inferlb` on the PATH is that command, the bare name is enough.
+    """
+    bindir = Path(executable).parent
+    program = bindir / "inferlb"
+    if not program.exists() or shutil.which("inferlb") == str(program):
+        return f"`inferlb status --data-dir {data_dir}` shows what runs."
+    here = (cwd or Path.cwd()).resolve()
+
+    def shown(path: Path) -> str:
+        return str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
+
+    return (f"`{shown(program)} status --data-dir {data_dir}` shows what runs "
+            f"(or `source {shown(bindir / 'activate')}` first: then `inferlb` is on your PATH).")
+
+
+def emit(text: str) -> None:
+    """Print ``text``; a reader that stopped reading (``inferlb status --json | head``) is not an error.
+
+    Python ignores SIGPIPE, so a closed pipe is a BrokenPipeError here and again when the interpreter
+    flushes stdout at exit. The Python docs' recipe: point stdout at /dev/null so that the exit flush
+    finds nothing to fail on. The exit status still says whether the stack is ready.
+    """
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def cmd_status(args: argparse.Namespace, data_dir: Path) -> int:
     if not stack_running(data_dir):
-        if args.json:
-            print(json.dumps({"running": False, "data_dir": str(data_dir)}))
-        else:
-            print(f"no inferlb stack is running on {data_dir} (start one with `inferlb up`)")
+        emit(json.dumps({"running": False, "data_dir": str(data_dir)}) if args.json
+             else f"no inferlb stack is running on {data_dir} (start one with `inferlb up`)")
         return EXIT_NOT_RUNNING
     stack = read_status(data_dir)
     if stack is None:
-        print(f"a stack holds the lock on {data_dir}, but its status file is missing or unreadable")
+        emit(f"a stack holds the lock on {data_dir}, but its status file is missing or unreadable")
         return EXIT_NOT_READY
     observed = observe(stack, args.timeout)
     now = time.time()
-    print(as_json(stack, observed, now) if args.json else render(stack, observed, now))
+    emit(as_json(stack, observed, now) if args.json else render(stack, observed, now))
     return EXIT_READY if observed and all(o.ok for o in observed) else EXIT_NOT_READY
 
 
