@@ -1,8 +1,8 @@
-"""A filter and a scorer written as in the README, plugged into the live chain: real Envoy, control plane
+"""A filter and a scorer written as in docs/policies.md, plugged into the live chain: real Envoy, control plane
 and ext_proc, simulated workers.
 
-The plugins are the README's own code blocks (read from README.md, written to a module the test allows in
-both services), so the README cannot drift from what works. Where each request went is read from the
+The plugins are the guide's own code blocks (read from docs/policies.md, written to a module the test allows in
+both services), so the guide cannot drift from what works. Where each request went is read from the
 ``x-inferlb-endpoint`` response header (ext_proc's pick).
 """
 
@@ -25,12 +25,12 @@ REQUESTS = 30
 
 
 def readme_plugins() -> str:
-    """The README's Python blocks that define a pick filter and a pick scorer, as one module."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    """docs/policies.md's Python blocks that define a pick filter and a pick scorer, as one module."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "policies.md").read_text(), re.S)
     chosen = [b for b in blocks if 'kind = "filter"' in b] + [b for b in blocks if 'kind = "scorer"' in b]
-    assert len(chosen) == 2, "the README shows one pick filter and one pick scorer"
+    assert len(chosen) == 2, "docs/policies.md shows one pick filter and one pick scorer"
     for block in chosen:
-        assert len(block.strip().splitlines()) < 30, "each README example stays under 30 lines"
+        assert len(block.strip().splitlines()) < 30, "each example in docs/policies.md stays under 30 lines"
     return "\n\n".join(chosen)
 
 
