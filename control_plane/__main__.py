@@ -101,12 +101,7 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     nginx = await start_nginx(config, controller, metrics) if config.nginx.enabled else None
     service = AdminService(controller, store, deregistration_drain_s=config.deregistration_drain_s,
                            stored_weight_policy=stored.weight_policy, api_keys=stored.api_keys)
-    # Changes other replicas make in a shared store (SQLite: none; the task ends at once). Supervised: a
-    # failure that escapes follow() is logged, counted and retried instead of ending the following unnoticed.
-    follower = None if store is None else asyncio.create_task(
-        Supervised("store-follower", observer=metrics, logger=log).run(
-            lambda: follow(store, service.reload_from_store, metrics, config.store_reload_interval_s)),
-        name="store-follower")
+    follower = None if store is None else follow_store(store, service, metrics, config)
 
     xds = await serve_xds(cache, f"{config.xds_address}:{config.xds_port}", metrics, xds_settings)
     scraper = Scraper(
@@ -119,28 +114,14 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
         host=config.admin_address, port=config.admin_port,
         log_config=None, access_log=False, lifespan="off", **admin_tls,
     ))
-    # Usage for billing: the replica watch's reads of each ext_proc, written to the store (usage/).
-    usage = None if store is None else UsageIngest(store, config.usage_retention_days)
-    loops = [  # cancelled at stop
-        asyncio.create_task(scraper.run(lambda: controller.state.endpoints, controller.on_scrape_results),
-                            name="scraper"),
-        asyncio.create_task(Supervised("replica-watch", observer=metrics, logger=log).run(
-            lambda: watch_replicas(controller, scraper.config, None if usage is None else usage.offer)),
-            name="replica-watch"),
-    ]
-    if usage is not None:
-        loops.append(asyncio.create_task(Supervised("usage-ingest", observer=metrics, logger=log).run(usage.run),
-                                         name="usage-ingest"))
+    loops = start_loops(controller, scraper, metrics, store, config.usage_retention_days)  # cancelled at stop
     tasks = [*loops, asyncio.create_task(admin.serve(), name="admin-http")]
     discovery = start_discovery(config, controller, metrics, stored.overrides)
     # Computed when /metrics is scraped, per pool.
     autoscaler = Autoscaler(config.autoscale.settings(), config.autoscale.pool_settings())
     metrics.register_autoscale(lambda: autoscaler.observe(controller.state.endpoints, time.monotonic(),
                                                           config.stale_after_s))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     log.info("control plane started", extra={
         "xds": f"{config.xds_address}:{config.xds_port}", "admin": f"{config.admin_address}:{config.admin_port}",
         "endpoints": config.endpoints, "weight_policy": controller.policy.name,
@@ -149,15 +130,7 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
         "state_db": store.location if store is not None else None,
     })
     # A provider ends only on what retrying cannot fix (e.g. an unreadable kubeconfig): stop, exit 1.
-    watched = [*tasks, *discovery]
-    done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), *watched], return_when=asyncio.FIRST_COMPLETED)
-    failed = False
-    for task in done:  # none of them ends unless stopped: an end, with or without an error, is a failure
-        if task in watched:
-            failed = True
-            error = None if task.cancelled() else task.exception()
-            log.error("component failed" if error is not None else "component ended unexpectedly",
-                      exc_info=error, extra={"task": task.get_name(), "error": repr(error)})
+    failed = await stopped_or_failed(stop, [*tasks, *discovery])
     log.info("stopping")
     if nginx is not None:  # first: nginx stops accepting and lets in-flight requests finish
         await stop_step("nginx", nginx.stop(), timeout_s=None)  # its own bound: nginx.stop_timeout_s
@@ -174,6 +147,58 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
     await stop_step("tasks", asyncio.gather(*tasks, return_exceptions=True))
     log.info("stopped", extra={"exit_status": 1 if failed else 0})
     return 1 if failed else 0
+
+
+def follow_store(store: OperatorStore, service: AdminService, metrics: ControlPlaneMetrics,
+                 config: ControlPlaneConfig) -> asyncio.Task[None]:
+    """Fold in the changes other replicas make in a shared store (SQLite: none; the task ends at once).
+    Supervised: a failure that escapes follow() is logged, counted and retried instead of ending the
+    following unnoticed."""
+    return asyncio.create_task(
+        Supervised("store-follower", observer=metrics, logger=log).run(
+            lambda: follow(store, service.reload_from_store, metrics, config.store_reload_interval_s)),
+        name="store-follower")
+
+
+def start_loops(controller: Controller, scraper: Scraper, metrics: ControlPlaneMetrics,
+                store: OperatorStore | None, usage_retention_days: int) -> list[asyncio.Task[None]]:
+    """The scraper, the replica watch and (with a store) the usage ingest: the loops the stop cancels.
+    Usage for billing is the replica watch's reads of each ext_proc, written to the store (usage/)."""
+    usage = None if store is None else UsageIngest(store, usage_retention_days)
+    loops = [
+        asyncio.create_task(scraper.run(lambda: controller.state.endpoints, controller.on_scrape_results),
+                            name="scraper"),
+        asyncio.create_task(Supervised("replica-watch", observer=metrics, logger=log).run(
+            lambda: watch_replicas(controller, scraper.config, None if usage is None else usage.offer)),
+            name="replica-watch"),
+    ]
+    if usage is not None:
+        loops.append(asyncio.create_task(Supervised("usage-ingest", observer=metrics, logger=log).run(usage.run),
+                                         name="usage-ingest"))
+    return loops
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def stopped_or_failed(stop: asyncio.Event, watched: Sequence[asyncio.Task[Any]]) -> bool:
+    """Wait for ``stop`` or the end of a ``watched`` task; True (logged) for the latter: none of them ends
+    unless stopped, so an end, with or without an error, is a failure."""
+    done, _ = await asyncio.wait([asyncio.create_task(stop.wait()), *watched], return_when=asyncio.FIRST_COMPLETED)
+    failed = False
+    for task in done:
+        if task in watched:
+            failed = True
+            error = None if task.cancelled() else task.exception()
+            log.error("component failed" if error is not None else "component ended unexpectedly",
+                      exc_info=error, extra={"task": task.get_name(), "error": repr(error)})
+    return failed
 
 
 async def stop_step(name: str, step: Awaitable[object], timeout_s: float | None = STOP_STEP_TIMEOUT_S) -> None:

@@ -88,6 +88,15 @@ class ControlPlaneMetrics:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         r.register(_EndpointCollector(state))
+        # By area, in this order in the exposition.
+        self._register_xds(r)
+        self._register_scrapes_and_snapshots(r)
+        self._register_policy_and_discovery(r)
+        self._register_nginx(r)
+        self._register_store_and_tasks(r)
+
+    def _register_xds(self, r: CollectorRegistry) -> None:
+        """The xDS server (``XdsMetrics``): pushes, ACKs and NACKs per type, streams, refusals."""
         self.pushes = Counter("inferlb_cp_xds_pushes", "xDS responses sent.", ["type"], registry=r)
         self.push_latency = Histogram(
             "inferlb_cp_xds_push_latency_seconds",
@@ -114,6 +123,9 @@ class ControlPlaneMetrics:
             "inferlb_cp_xds_backpressure",
             "Times an xDS stream's reader paused because its inbound buffer (xds_limits.inbound_buffer) was full.",
             registry=r)
+
+    def _register_scrapes_and_snapshots(self, r: CollectorRegistry) -> None:
+        """The scraper (``ScrapeObserver``) and the snapshots it leads to."""
         self.scrapes = Counter("inferlb_cp_scrapes", "Worker scrapes.", ["endpoint", "result"], registry=r)
         self.scrape_refused_samples = Counter(
             "inferlb_cp_scrape_refused_samples",
@@ -129,6 +141,9 @@ class ControlPlaneMetrics:
         )
         self.snapshots = Counter("inferlb_cp_snapshots", "Snapshots published, by the types they changed.",
                                  ["type"], registry=r)
+
+    def _register_policy_and_discovery(self, r: CollectorRegistry) -> None:
+        """Contained weight-policy rounds, and the discovery sources' syncs."""
         self.policy_failures = Counter(
             "inferlb_cp_policy_failures",
             "Weight-policy rounds contained (the default policy's weights used instead), by policy and reason.",
@@ -142,6 +157,9 @@ class ControlPlaneMetrics:
         self.discovery_endpoints = Gauge("inferlb_cp_discovery_endpoints",
                                          "Endpoints the source listed at its last successful sync.",
                                          ["source"], registry=r)
+
+    def _register_nginx(self, r: CollectorRegistry) -> None:
+        """The NGINX data plane's reloads."""
         self.nginx_reloads = Counter(
             "inferlb_cp_nginx_reloads",
             "NGINX data plane: configs applied by reload (ok), refused by nginx -t (invalid), or failed.",
@@ -149,6 +167,9 @@ class ControlPlaneMetrics:
         )
         self.nginx_last_reload = Gauge("inferlb_cp_nginx_last_reload_timestamp_seconds",
                                        "Unix time of the last NGINX reload that took effect.", registry=r)
+
+    def _register_store_and_tasks(self, r: CollectorRegistry) -> None:
+        """The shared store's change feed and reloads, and the supervised background tasks."""
         self.store_changes = Counter(
             "inferlb_cp_store_changes",
             "Shared-store change feed events, by reason (connected, notified, periodic, own: this replica's).",
