@@ -9,7 +9,7 @@ Three steps, each testable alone:
 3. ``smooth``: EWMA of the window figures into ``model.Telemetry``.
 
 The control plane never imports ``workers``: the metric names below are the
-wire contract documented in README ("The worker"), read from the text
+wire contract documented in docs/operators.md ("The worker"), read from the text
 exposition only.
 """
 
