@@ -78,6 +78,12 @@ def _serve_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get after SIGTERM (default 30)")
     p.add_argument("--access-log", action="store_true", default=None, help="log every request")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    _add_simulation_arguments(p)
+    return p
+
+
+def _add_simulation_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--simulate`` group: the emulated fleet's costs, slots and faults."""
     sim = p.add_argument_group(
         "simulation",
         "--simulate replaces the model with dummy unit vectors and a timed wait: requests queue in class order "
@@ -105,7 +111,6 @@ def _serve_parser() -> argparse.ArgumentParser:
                      help="a simulated fault: answer this share of embeddings requests 500 at once, before any "
                           "queue (a broken worker that looks fast); PUT /v1/simulation {\"fail_rate\": P} changes "
                           "it at run time (default 0)")
-    return p
 
 
 def _prepare_parser() -> argparse.ArgumentParser:

@@ -100,16 +100,10 @@ def simulation_routes(simulation: Simulation) -> list[Route]:
     return [Route("/v1/simulation", simulation_state, methods=["GET", "PUT"])]
 
 
-TRACED_PATHS = ("/v1/embeddings",)  # the inference path; probes and /metrics are polled all the time
-
-
-def create_app(
-    service: EmbeddingService, *, manage_lifecycle: bool = True, extra_routes: list[Route] | None = None,
-    tracing: Tracing | None = None, simulated_failure: Callable[[], bool] | None = None,
-) -> Starlette:
-    """Build the app; with ``manage_lifecycle`` the lifespan starts and stops the service. Every request's
-    log lines carry its ``x-request-id``; with ``tracing``, each embeddings request is a span.
-    ``simulated_failure`` (simulated workers only): when it says so, the request is answered 500 at once."""
+def embeddings_endpoint(service: EmbeddingService, simulated_failure: Callable[[], bool] | None = None
+                        ) -> Callable[[Request], Awaitable[Response]]:
+    """``POST /v1/embeddings``: refused at once while draining (or on a simulated failure), else read,
+    computed, and dropped if the client goes away meanwhile."""
 
     async def embeddings(request: Request) -> Response:
         if simulated_failure is not None and simulated_failure():
@@ -130,6 +124,32 @@ def create_app(
             return Response(status_code=CLIENT_CLOSED)
         return Response(reply.body, reply.status, media_type=JSON, headers=reply.headers)
 
+    return embeddings
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """404 and 405 in OpenAI's error shape."""
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return Response(
+        error_body(message, type="invalid_request_error", code=code), exc.status_code, media_type=JSON,
+        headers=exc.headers,
+    )
+
+
+TRACED_PATHS = ("/v1/embeddings",)  # the inference path; probes and /metrics are polled all the time
+
+
+def create_app(
+    service: EmbeddingService, *, manage_lifecycle: bool = True, extra_routes: list[Route] | None = None,
+    tracing: Tracing | None = None, simulated_failure: Callable[[], bool] | None = None,
+) -> Starlette:
+    """Build the app; with ``manage_lifecycle`` the lifespan starts and stops the service. Every request's
+    log lines carry its ``x-request-id``; with ``tracing``, each embeddings request is a span.
+    ``simulated_failure`` (simulated workers only): when it says so, the request is answered 500 at once."""
+    embeddings = embeddings_endpoint(service, simulated_failure)
+
     async def models(request: Request) -> Response:
         return Response(models_response(service.models, service.created), media_type=JSON)
 
@@ -146,15 +166,6 @@ def create_app(
 
     async def metrics(request: Request) -> Response:
         return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return Response(
-            error_body(message, type="invalid_request_error", code=code), exc.status_code, media_type=JSON,
-            headers=exc.headers,
-        )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

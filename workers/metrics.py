@@ -77,10 +77,20 @@ class WorkerMetrics:
 
     def __init__(self, *, cpus: float, models: Sequence[ModelInfo], pool: str = DEFAULT_POOL,
                  cpu_seconds: Callable[[], float] | None = None) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
+        # By area, in this order in the exposition.
+        self._register_requests_and_batches(r)
+        self._register_load(r)
+        self._register_facts(r, cpus, models, pool)
+        self._register_per_model(r, models)
+        self._register_cache(r)
+        self.load = LoadSampler(cpus=cpus) if cpu_seconds is None else LoadSampler(cpus=cpus, cpu_seconds=cpu_seconds)
+        self._completed = 0
+
+    def _register_requests_and_batches(self, r: CollectorRegistry) -> None:
+        """Requests, the batch queue and the batches: what the control plane's weights are computed from."""
         self.requests = Counter(
             "inferlb_worker_requests", "Embedding requests by HTTP status.", ["code"], registry=r
         )
@@ -131,6 +141,9 @@ class WorkerMetrics:
         self.deadline_misses = Counter("inferlb_worker_deadline_misses",
                                        "Requests refused (504) because their deadline passed before their inputs "
                                        "could start.", registry=r)
+
+    def _register_load(self, r: CollectorRegistry) -> None:
+        """Load now: in flight, slots, CPU, rate, readiness and the fitted batch cost."""
         self.inflight = Gauge("inferlb_worker_inflight_requests", "Requests being served.", registry=r)
         # Balancers divide the work queued here over the slots: 3 in flight is a queue on a 1-slot worker
         # and a free slot on a 4-slot one (control_plane/telemetry.py reads it; ext_proc/costing.py uses it).
@@ -148,9 +161,12 @@ class WorkerMetrics:
             ["term"],
             registry=r,
         )
+
+    def _register_facts(self, r: CollectorRegistry, cpus: float, models: Sequence[ModelInfo], pool: str) -> None:
+        """Static facts, set once: the worker, what it serves (for the control plane to publish,
+        inferlb_runtime.model_routing) and its pool."""
         info = Gauge("inferlb_worker_info", "Static worker facts.", ["model", "cpus"], registry=r)
         info.labels(model=models[0].name, cpus=str(cpus)).set(1)
-        # What this worker serves, for the control plane to publish (inferlb_runtime.model_routing).
         model_info = Gauge("inferlb_worker_model_info", "A model version this worker serves, its family and the "
                            "aliases it answers to (comma-separated, sorted).", ["model", "family", "aliases"],
                            registry=r)
@@ -158,7 +174,9 @@ class WorkerMetrics:
             model_info.labels(model=model.name, family=model.family, aliases=",".join(sorted(model.aliases))).set(1)
         Gauge("inferlb_worker_pool_info", "The pool this worker belongs to.", ["pool"], registry=r).labels(
             pool=pool).set(1)
-        # Per version: a rollout compares versions by these. Only served versions become label values.
+
+    def _register_per_model(self, r: CollectorRegistry, models: Sequence[ModelInfo]) -> None:
+        """Per model version: a rollout compares versions by these. Only served versions become label values."""
         self.model_requests = Counter("inferlb_worker_model_requests",
                                       "Embedding requests by the model version they resolved to and HTTP status.",
                                       ["model", "code"], registry=r)
@@ -169,7 +187,9 @@ class WorkerMetrics:
         )
         for model in models:
             self.model_request_duration.labels(model=model.name)
-        # The per-input cache (workers/input_cache.py): what became of each input, and what the cache holds.
+
+    def _register_cache(self, r: CollectorRegistry) -> None:
+        """The per-input cache (workers/input_cache.py): what became of each input, and what the cache holds."""
         self.cache_requests = Counter("inferlb_worker_cache_requests",
                                       "Inputs by what the worker cache did with them: hit (answered from the cache), "
                                       "miss (queued for the model), coalesced (joined an identical input computing).",
@@ -181,8 +201,6 @@ class WorkerMetrics:
         self.cache_evictions = Counter("inferlb_worker_cache_evictions",
                                        "Entries evicted from the worker cache to stay within cache_max_bytes.",
                                        registry=r)
-        self.load = LoadSampler(cpus=cpus) if cpu_seconds is None else LoadSampler(cpus=cpus, cpu_seconds=cpu_seconds)
-        self._completed = 0
 
     def request_done(self, code: int, seconds: float, model: str | None = None) -> None:
         """Count a request; ``model``: the version it resolved to (None when it never got that far)."""

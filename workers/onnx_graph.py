@@ -168,6 +168,140 @@ def plan_int8(
     return Int8Prep(smoothing=smoothing, fp32_ffn_channels=fp32_channels)
 
 
+class _Encoder:
+    """The encoder's parts as graph nodes, for one build: a checkpoint's weights (``get``), the int8
+    rewrites of ``prep`` and the nodes they become (``g``)."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], config: BertConfig, prep: Int8Prep) -> None:
+        self.w, self.config, self.prep = weights, config, prep
+        self.g = g = _GraphBuilder()
+        self.sqrt2 = g.scalar(float(np.sqrt(2.0)))  # GELU's constants, the graph's first initialisers
+        self.one, self.half = g.scalar(1.0), g.scalar(0.5)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self.w:
+            raise KeyError(f"weight {name!r} missing from the checkpoint")
+        return np.asarray(self.w[name], dtype=np.float32)
+
+    def linear(self, x: str, weight: np.ndarray, bias: np.ndarray, layer: int, part: str) -> str:
+        """x @ weight + bias, with weight already [in, out] (torch Linear stores [out, in])."""
+        g = self.g
+        weight_name = g.const(f"l{layer}_{part}.weight", weight.astype(np.float32))
+        bias_name = g.const(f"l{layer}_{part}.bias", bias.astype(np.float32))
+        product = g.op("MatMul", [x, weight_name], linear_node_name(layer, part))
+        return g.op("Add", [product, bias_name], f"l{layer}_{part}")
+
+    def smoothed(self, x: str, layer: int, group: str, channels: np.ndarray | None = None
+                 ) -> tuple[str, np.ndarray | None]:
+        """Divide x's channels by the group's smoothing factors (those of ``channels`` only, if given)."""
+        s = self.prep.smoothing.get((layer, group))
+        if s is None:
+            return x, None
+        if channels is not None:
+            s = s[channels]
+        inverse = self.g.const(f"l{layer}_{group}.smoothing", (1.0 / s).astype(np.float32))
+        return self.g.op("Mul", [x, inverse], f"l{layer}_{group}_smoothed"), s
+
+    def layer_norm(self, x: str, prefix: str, out: str) -> str:
+        gamma = self.g.const(f"{prefix}.weight", self.get(f"{prefix}.weight"))
+        beta = self.g.const(f"{prefix}.bias", self.get(f"{prefix}.bias"))
+        return self.g.op("LayerNormalization", [x, gamma, beta], out, axis=-1, epsilon=self.config.layer_norm_eps)
+
+    def gelu(self, h: str, out: str) -> str:
+        """Exact (erf) GELU: h * 0.5 * (1 + erf(h / sqrt 2)); ONNX Runtime fuses the pattern."""
+        g = self.g
+        erf = g.op("Erf", [g.op("Div", [h, self.sqrt2], f"{out}_div")], f"{out}_erf")
+        product = g.op("Mul", [h, g.op("Add", [erf, self.one], f"{out}_add")], f"{out}_mul")
+        return g.op("Mul", [product, self.half], out)
+
+    def embeddings(self) -> str:
+        """Word + position + token type 0 (a single sentence), then LayerNorm."""
+        g, get = self.g, self.get
+        word_table = g.const("embeddings.word_embeddings.weight", get("embeddings.word_embeddings.weight"))
+        pos_table = g.const(
+            "embeddings.position_embeddings.weight", get("embeddings.position_embeddings.weight")
+        )
+        type0 = g.const("embeddings.token_type_embeddings.row0", get("embeddings.token_type_embeddings.weight")[0])
+        words = g.op("Gather", [word_table, INPUT_IDS], "word_embeddings", axis=0)
+        seq_len = g.op("Gather", [g.op("Shape", [INPUT_IDS], "ids_shape"), g.ints([1])], "seq_len", axis=0)
+        positions = g.op("Slice", [pos_table, g.ints([0]), seq_len, g.ints([0])], "position_embeddings")
+        x = g.op("Add", [g.op("Add", [words, positions], "emb_word_pos"), type0], "emb_sum")
+        return self.layer_norm(x, "embeddings.LayerNorm", "emb_out")
+
+    def attention(self, i: int, x: str, kv_lengths: str, exposed: list[str]) -> str:
+        """Layer ``i``'s self-attention on [batch, sequence, hidden] tensors (Attention splits the heads),
+        its residual and LayerNorm."""
+        g, get, p, n = self.g, self.get, f"encoder.layer.{i}", f"l{i}"
+        x_qkv, s_qkv = self.smoothed(x, i, "qkv")
+        s_ctx = self.prep.smoothing.get((i, "attn_out"))
+        value_w, value_b = get(f"{p}.attention.self.value.weight").T, get(f"{p}.attention.self.value.bias")
+        if s_ctx is not None:  # context = probs @ v, so dividing v's channels divides the context's
+            value_w, value_b = value_w / s_ctx[None, :], value_b / s_ctx
+        q_w, q_b = get(f"{p}.attention.self.query.weight").T, get(f"{p}.attention.self.query.bias")
+        k_w, k_b = get(f"{p}.attention.self.key.weight").T, get(f"{p}.attention.self.key.bias")
+        q = self.linear(x_qkv, _rows(q_w, s_qkv), q_b, i, "q")
+        k = self.linear(x_qkv, _rows(k_w, s_qkv), k_b, i, "k")
+        v = self.linear(x_qkv, _rows(value_w, s_qkv), value_b, i, "v")
+        heads = self.config.num_heads
+        context = g.op(
+            "Attention", [q, k, v, "", "", "", kv_lengths], f"{n}_ctx", q_num_heads=heads, kv_num_heads=heads
+        )
+        exposed.append(context)
+        o_w, o_b = get(f"{p}.attention.output.dense.weight").T, get(f"{p}.attention.output.dense.bias")
+        attn = self.linear(context, _rows(o_w, s_ctx), o_b, i, "attn_out")
+        x = self.layer_norm(g.op("Add", [attn, x], f"{n}_attn_res"), f"{p}.attention.output.LayerNorm",
+                            f"{n}_attn_ln")
+        exposed.append(x)
+        return x
+
+    def feed_forward(self, i: int, x: str, exposed: list[str]) -> str:
+        """Layer ``i``'s feed-forward, its residual and LayerNorm; outlier channels (if any) on their own
+        fp32 path."""
+        g, get, p, n = self.g, self.get, f"encoder.layer.{i}", f"l{i}"
+        w_in, b_in = get(f"{p}.intermediate.dense.weight").T, get(f"{p}.intermediate.dense.bias")
+        w_out = get(f"{p}.output.dense.weight").T
+        outliers = np.asarray(self.prep.fp32_ffn_channels.get(i, ()), dtype=np.int64)
+        fp32_part = None
+        if outliers.size:
+            h_fp32 = self.linear(x, w_in[:, outliers], b_in[outliers], i, "ffn_in_fp32")
+            fp32_part = g.op(
+                "MatMul",
+                [self.gelu(h_fp32, f"{n}_gelu_fp32"), g.const(f"l{i}_ffn_out_fp32.weight", w_out[outliers])],
+                linear_node_name(i, "ffn_out_fp32"),
+            )
+            keep = np.setdiff1d(np.arange(w_in.shape[1]), outliers)
+            w_in, b_in, w_out = w_in[:, keep], b_in[keep], w_out[keep]
+        else:
+            keep = np.arange(w_in.shape[1])
+        x_in, s_in = self.smoothed(x, i, "ffn_in")
+        h = self.gelu(self.linear(x_in, _rows(w_in, s_in), b_in, i, "ffn_in"), f"{n}_gelu")
+        exposed.append(h)
+        h, s_out = self.smoothed(h, i, "ffn_out", keep)
+        ffn = self.linear(h, _rows(w_out, s_out), get(f"{p}.output.dense.bias"), i, "ffn_out")
+        residual = g.op("Add", [ffn, x], f"{n}_ffn_res")
+        if fp32_part is not None:
+            residual = g.op("Add", [residual, fp32_part], f"{n}_ffn_res_fp32")
+        return self.layer_norm(residual, f"{p}.output.LayerNorm", f"{n}_out")
+
+    def pooling(self, x: str) -> None:
+        """Mean pooling over real tokens, then x / max(||x||, 1e-12), as sentence-transformers does."""
+        g = self.g
+        mask_float = g.op("Cast", [ATTENTION_MASK], "mask_float", to=TensorProto.FLOAT)
+        mask_3d = g.op("Unsqueeze", [mask_float, g.ints([2])], "pool_mask")
+        summed = g.op("ReduceSum", [g.op("Mul", [x, mask_3d], "pool_masked"), g.ints([1])], "pool_sum", keepdims=0)
+        count = g.op("ReduceSum", [mask_float, g.ints([1])], "pool_count", keepdims=1)
+        count = g.op("Max", [count, g.scalar(1e-9)], "pool_count_clamped")
+        mean = g.op("Div", [summed, count], "pool_mean")
+        norm = g.op("ReduceL2", [mean, g.ints([1])], "pool_norm", keepdims=1)
+        norm = g.op("Max", [norm, g.scalar(1e-12)], "pool_norm_clamped")
+        g.op("Div", [mean, norm], OUTPUT)
+
+
+def _rows(weight: np.ndarray, s: np.ndarray | None) -> np.ndarray:
+    """``weight``'s input rows multiplied by the smoothing factors ``s`` (as they are without)."""
+    return weight if s is None else weight * s[:, None]
+
+
 def build_embedding_graph(
     weights: Mapping[str, np.ndarray],
     config: BertConfig,
@@ -183,132 +317,23 @@ def build_embedding_graph(
     (same fp32 result). ``expose_linear_inputs`` adds the ``linear_input_name``
     tensors as extra outputs, for calibration.
     """
-    w = _weight_lookup(weights)
-    prep = prep or Int8Prep()
-
-    def get(name: str) -> np.ndarray:
-        if name not in w:
-            raise KeyError(f"weight {name!r} missing from the checkpoint")
-        return np.asarray(w[name], dtype=np.float32)
-
-    g = _GraphBuilder()
-    hidden, heads = config.hidden_size, config.num_heads
-    eps = config.layer_norm_eps
-
-    def linear(x: str, weight: np.ndarray, bias: np.ndarray, layer: int, part: str) -> str:
-        """x @ weight + bias, with weight already [in, out] (torch Linear stores [out, in])."""
-        weight_name = g.const(f"l{layer}_{part}.weight", weight.astype(np.float32))
-        bias_name = g.const(f"l{layer}_{part}.bias", bias.astype(np.float32))
-        product = g.op("MatMul", [x, weight_name], linear_node_name(layer, part))
-        return g.op("Add", [product, bias_name], f"l{layer}_{part}")
-
-    def smoothed(x: str, layer: int, group: str, channels: np.ndarray | None = None) -> tuple[str, np.ndarray | None]:
-        """Divide x's channels by the group's smoothing factors (those of ``channels`` only, if given)."""
-        s = prep.smoothing.get((layer, group))
-        if s is None:
-            return x, None
-        if channels is not None:
-            s = s[channels]
-        inverse = g.const(f"l{layer}_{group}.smoothing", (1.0 / s).astype(np.float32))
-        return g.op("Mul", [x, inverse], f"l{layer}_{group}_smoothed"), s
-
-    def rows(weight: np.ndarray, s: np.ndarray | None) -> np.ndarray:
-        return weight if s is None else weight * s[:, None]
-
-    def layer_norm(x: str, prefix: str, out: str) -> str:
-        gamma = g.const(f"{prefix}.weight", get(f"{prefix}.weight"))
-        beta = g.const(f"{prefix}.bias", get(f"{prefix}.bias"))
-        return g.op("LayerNormalization", [x, gamma, beta], out, axis=-1, epsilon=eps)
-
-    sqrt2 = g.scalar(float(np.sqrt(2.0)))
-    one, half = g.scalar(1.0), g.scalar(0.5)
-
-    def gelu(h: str, out: str) -> str:
-        # Exact (erf) GELU: h * 0.5 * (1 + erf(h / sqrt 2)); ONNX Runtime fuses the pattern.
-        erf = g.op("Erf", [g.op("Div", [h, sqrt2], f"{out}_div")], f"{out}_erf")
-        product = g.op("Mul", [h, g.op("Add", [erf, one], f"{out}_add")], f"{out}_mul")
-        return g.op("Mul", [product, half], out)
-
-    # Embeddings: word + position + token type 0 (a single sentence), then LayerNorm.
-    word_table = g.const("embeddings.word_embeddings.weight", get("embeddings.word_embeddings.weight"))
-    pos_table = g.const(
-        "embeddings.position_embeddings.weight", get("embeddings.position_embeddings.weight")
-    )
-    type0 = g.const("embeddings.token_type_embeddings.row0", get("embeddings.token_type_embeddings.weight")[0])
-    words = g.op("Gather", [word_table, INPUT_IDS], "word_embeddings", axis=0)
-    seq_len = g.op("Gather", [g.op("Shape", [INPUT_IDS], "ids_shape"), g.ints([1])], "seq_len", axis=0)
-    positions = g.op("Slice", [pos_table, g.ints([0]), seq_len, g.ints([0])], "position_embeddings")
-    x = g.op("Add", [g.op("Add", [words, positions], "emb_word_pos"), type0], "emb_sum")
-    x = layer_norm(x, "embeddings.LayerNorm", "emb_out")
-
+    encoder = _Encoder(_weight_lookup(weights), config, prep or Int8Prep())
+    x = encoder.embeddings()
     # Real tokens per row: attention ignores keys at and beyond it (right padding).
-    kv_lengths = g.op("ReduceSum", [ATTENTION_MASK, g.ints([1])], "kv_lengths", keepdims=0)
-
+    kv_lengths = encoder.g.op("ReduceSum", [ATTENTION_MASK, encoder.g.ints([1])], "kv_lengths", keepdims=0)
     exposed: list[str] = []
     for i in range(config.num_layers):
-        p = f"encoder.layer.{i}"
-        n = f"l{i}"
         exposed.append(x)
-        # Self-attention on [batch, sequence, hidden] tensors; Attention splits the heads.
-        x_qkv, s_qkv = smoothed(x, i, "qkv")
-        s_ctx = prep.smoothing.get((i, "attn_out"))
-        value_w, value_b = get(f"{p}.attention.self.value.weight").T, get(f"{p}.attention.self.value.bias")
-        if s_ctx is not None:  # context = probs @ v, so dividing v's channels divides the context's
-            value_w, value_b = value_w / s_ctx[None, :], value_b / s_ctx
-        q_w, q_b = get(f"{p}.attention.self.query.weight").T, get(f"{p}.attention.self.query.bias")
-        k_w, k_b = get(f"{p}.attention.self.key.weight").T, get(f"{p}.attention.self.key.bias")
-        q = linear(x_qkv, rows(q_w, s_qkv), q_b, i, "q")
-        k = linear(x_qkv, rows(k_w, s_qkv), k_b, i, "k")
-        v = linear(x_qkv, rows(value_w, s_qkv), value_b, i, "v")
-        context = g.op(
-            "Attention", [q, k, v, "", "", "", kv_lengths], f"{n}_ctx", q_num_heads=heads, kv_num_heads=heads
-        )
-        exposed.append(context)
-        o_w, o_b = get(f"{p}.attention.output.dense.weight").T, get(f"{p}.attention.output.dense.bias")
-        attn = linear(context, rows(o_w, s_ctx), o_b, i, "attn_out")
-        x = layer_norm(g.op("Add", [attn, x], f"{n}_attn_res"), f"{p}.attention.output.LayerNorm", f"{n}_attn_ln")
-        exposed.append(x)
+        x = encoder.feed_forward(i, encoder.attention(i, x, kv_lengths, exposed), exposed)
+    encoder.pooling(x)
+    return _model(encoder.g, config, exposed if expose_linear_inputs else [])
 
-        # Feed-forward; outlier channels (if any) on their own fp32 path.
-        w_in, b_in = get(f"{p}.intermediate.dense.weight").T, get(f"{p}.intermediate.dense.bias")
-        w_out = get(f"{p}.output.dense.weight").T
-        outliers = np.asarray(prep.fp32_ffn_channels.get(i, ()), dtype=np.int64)
-        fp32_part = None
-        if outliers.size:
-            h_fp32 = linear(x, w_in[:, outliers], b_in[outliers], i, "ffn_in_fp32")
-            fp32_part = g.op(
-                "MatMul",
-                [gelu(h_fp32, f"{n}_gelu_fp32"), g.const(f"l{i}_ffn_out_fp32.weight", w_out[outliers])],
-                linear_node_name(i, "ffn_out_fp32"),
-            )
-            keep = np.setdiff1d(np.arange(w_in.shape[1]), outliers)
-            w_in, b_in, w_out = w_in[:, keep], b_in[keep], w_out[keep]
-        else:
-            keep = np.arange(w_in.shape[1])
-        x_in, s_in = smoothed(x, i, "ffn_in")
-        h = gelu(linear(x_in, rows(w_in, s_in), b_in, i, "ffn_in"), f"{n}_gelu")
-        exposed.append(h)
-        h, s_out = smoothed(h, i, "ffn_out", keep)
-        ffn = linear(h, rows(w_out, s_out), get(f"{p}.output.dense.bias"), i, "ffn_out")
-        residual = g.op("Add", [ffn, x], f"{n}_ffn_res")
-        if fp32_part is not None:
-            residual = g.op("Add", [residual, fp32_part], f"{n}_ffn_res_fp32")
-        x = layer_norm(residual, f"{p}.output.LayerNorm", f"{n}_out")
 
-    # Mean pooling over real tokens, then x / max(||x||, 1e-12), as sentence-transformers does.
-    mask_float = g.op("Cast", [ATTENTION_MASK], "mask_float", to=TensorProto.FLOAT)
-    mask_3d = g.op("Unsqueeze", [mask_float, g.ints([2])], "pool_mask")
-    summed = g.op("ReduceSum", [g.op("Mul", [x, mask_3d], "pool_masked"), g.ints([1])], "pool_sum", keepdims=0)
-    count = g.op("ReduceSum", [mask_float, g.ints([1])], "pool_count", keepdims=1)
-    count = g.op("Max", [count, g.scalar(1e-9)], "pool_count_clamped")
-    mean = g.op("Div", [summed, count], "pool_mean")
-    norm = g.op("ReduceL2", [mean, g.ints([1])], "pool_norm", keepdims=1)
-    norm = g.op("Max", [norm, g.scalar(1e-12)], "pool_norm_clamped")
-    g.op("Div", [mean, norm], OUTPUT)
-
+def _model(g: _GraphBuilder, config: BertConfig, extra_outputs: Sequence[str]) -> onnx.ModelProto:
+    """The model of ``g``'s nodes: the two inputs, the embedding and ``extra_outputs``, and its facts."""
+    hidden = config.hidden_size
     outputs = [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, ["batch", hidden])]
-    if expose_linear_inputs:
-        outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in exposed]
+    outputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in extra_outputs]
     graph = helper.make_graph(
         g.nodes,
         "sentence_embedding",
