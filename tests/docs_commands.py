@@ -2,7 +2,8 @@
 
 The docs are how a newcomer meets inferlb; a flag renamed in the code and not in the docs is a command
 that fails on first paste. So every command in a fenced ``sh``/``bash``/``shell``/``console`` block is
-checked: ``inferlb ...`` and ``python -m <module> ...`` against the module's own argparse parser (built
+checked, and so is an unlabelled block made only of such commands: ``inferlb ...`` and
+``python -m <module> ...`` against the module's own argparse parser (built
 in-process: its subcommands, every ``--flag`` spelled exactly, then a full parse for types and
 choices), ``make X`` against the Makefile's targets, repository paths against the tree, and ``curl``
 URLs for their shape and their path against the routes the services declare. A program the checker
@@ -30,6 +31,7 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.S | re.M)
 SHELL_LANGUAGES = {"sh", "bash", "shell", "console"}
+COMMAND_STARTS = ("inferlb ", "make ", "python -m ", "python3 -m ", ".venv/bin/", "curl ")  # unlabelled blocks
 OPERATORS = {"|", "||", "&&", ";", "&", "(", ")"}  # a subshell's commands are checked like the others
 REDIRECTIONS = {">", ">>", "<", ">&", "&>"}
 SUBSTITUTION = re.compile(r"\$\([^()]*\)")  # $(cat file): its value is unknown here, so it becomes one word
@@ -65,6 +67,7 @@ ALLOWLIST: dict[str, str] = {
     "do": "shell syntax: the loop's commands are on their own lines",
     "done": "shell syntax",
     "kind": "a local Kubernetes cluster (docs/kubernetes.md)",
+    "pytest": "runs tests (the test file's path is checked)",
     "npm": "vendoring the dashboard's library (docs/dashboard.md): needs the npm registry",
     "tar": "a file utility (vendoring the dashboard's library)",
     "cp": "a file utility (vendoring the dashboard's library)",
@@ -154,12 +157,19 @@ def split_commands(text: str) -> list[list[str]]:
     return [c for c in commands if c]
 
 
+def _commands_only(block: str) -> bool:
+    """An unlabelled block is shell when every line is a command of ours (not a diagram, not output)."""
+    lines = [line for line in block.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return bool(lines) and all(line.startswith(COMMAND_STARTS) or line.startswith(" ") and previous.endswith("\\")
+                               for previous, line in zip([""] + lines, lines))
+
+
 def commands_in(path: Path, root: Path = ROOT) -> list[Command]:
     text = path.read_text()
     found = []
     for match in FENCE.finditer(text):
         language = match.group(1).lower()
-        if language not in SHELL_LANGUAGES:
+        if language not in SHELL_LANGUAGES and not (language == "" and _commands_only(match.group(2))):
             continue
         first_line = text.count("\n", 0, match.start(2)) + 1
         for offset, line in shell_lines(match.group(2), language):
@@ -362,8 +372,16 @@ def _program(words: Sequence[str]) -> tuple[str, list[str]]:
     return program, list(words[1:])
 
 
+def _unbracketed(words: Sequence[str]) -> tuple[str, ...]:
+    """Usage notation as docs write it: ``[--flag value]`` is the flag and its value, ``...`` is more of them."""
+    plain = (word[1:] if word.startswith("[") and len(word) > 1 else word for word in words)
+    return tuple(word[:-1] if word.endswith("]") and "[" not in word else word
+                 for word in plain if word not in ("...", "…"))
+
+
 def check(command: Command) -> list[str]:
     """Every error of one command (empty: it is fine, or allowlisted)."""
+    command = Command(command.doc, command.line, _unbracketed(command.words))
     program, args = _program(command.words)
     errors = repo_paths(command.words)
     if program in WRAPPERS and len(args) > WRAPPERS[program]:

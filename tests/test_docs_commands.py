@@ -25,6 +25,8 @@ def test_a_stale_flag_or_subcommand_fails() -> None:
     assert any("no flag --nope" in e for e in errors_of("python -m control_plane --nope"))
     assert any("no flag --nope" in e for e in errors_of("python -m ext_proc --nope"))
     assert any("invalid choice" in e for e in errors_of("inferlb up --dataplane haproxy"))  # the full parse
+    assert errors_of("inferlb sim --scenario scenarios/overload.toml [--shed-slo-ms 0] ...") == []  # usage notation
+    assert any("no flag --shed-slo" in e for e in errors_of("inferlb sim [--shed-slo 0]"))
 
 
 def test_other_commands_are_checked_or_must_be_allowlisted() -> None:
@@ -55,6 +57,13 @@ def test_commands_are_split_as_the_shell_would(tmp_path: Path) -> None:
                    "$ inferlb status\ninferlb stack: ...\n```\n\n```python\nimport os\n```\n")
     found = [(c.line, c.words[0]) for c in commands_in(doc, tmp_path)]
     assert found == [(5, "curl"), (5, "head"), (7, "inferlb"), (11, "inferlb")]  # $(...) is one unknown word
+
+
+def test_an_unlabelled_block_is_read_when_it_holds_only_commands(tmp_path: Path) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text("```\ninferlb bench hogs   # a comment\n# a comment line\nmake up\n```\n\n"
+                   "```\nclient -> Envoy :10000 -> worker\ninferlb up\n```\n")
+    assert [c.words[0] for c in commands_in(doc, tmp_path)] == ["inferlb", "make"]  # not the diagram
 
 
 def test_a_broken_link_fails(tmp_path: Path) -> None:
