@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{command}: --workers must be >= 1", file=sys.stderr)
         return 2
     if args.command == "bench":
-        from inferlb.bench.fleet import dropped_settings
+        from inferlb.bench.stack.fleet import dropped_settings
 
         dropped = dropped_settings()
         if dropped:

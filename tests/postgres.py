@@ -11,7 +11,7 @@ session ends, even after a failure; its log is shown if it fails to start.
 Without the server binaries the tests that need it are skipped with how to
 install them; ``make test`` installs them (``APT_PACKAGES``). Finding the
 binaries, ``initdb`` and the server's command line are the product's
-(``inferlb.bench.faults_postgres``, the PostgreSQL fault's server).
+(``inferlb.bench.reliability.faults_postgres``, the PostgreSQL fault's server).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from inferlb.bench.faults_postgres import ServerMissing, init_cluster, server_argv, server_binaries, server_url
+from inferlb.bench.reliability.faults_postgres import ServerMissing, init_cluster, server_argv, server_binaries, server_url
 
 from .conftest import free_port
 from .stack import Proc, launch, wait_for

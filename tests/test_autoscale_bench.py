@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.bench.autoscale import schedule
-from inferlb.bench.autoscale_report import Phase, Request, Sample, p99_recovery_s, summarise, table
+from inferlb.bench.deploy.autoscale import schedule
+from inferlb.bench.deploy.autoscale_report import Phase, Request, Sample, p99_recovery_s, summarise, table
 
 from .conftest import ROOT
 
@@ -60,7 +60,7 @@ def test_bad_arguments_exit_2_saying_why(argv: list[str]) -> None:
 
 
 def test_a_short_run_through_the_real_stack_scales_up_and_down_without_failures(tmp_path: Path) -> None:
-    from inferlb.bench.autoscale import add_arguments, main
+    from inferlb.bench.deploy.autoscale import add_arguments, main
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

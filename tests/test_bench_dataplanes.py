@@ -13,22 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.bench.capacity import (
+from inferlb.bench.routing.capacity import (
     Probe,
     capacity_from_probes,
     mean_tokens,
     next_probe_rps,
     theoretical_capacity_rps,
 )
-from inferlb.bench.dataplanes import DataPlanePorts, plan_data_plane
-from inferlb.bench.dataplanes.envoy_static import CSWRR_SETTINGS, POLICIES, lb_policy, render_static_bootstrap
-from inferlb.bench.dataplanes.launch import healthy_hosts, pick_decisions
-from inferlb.bench.dataplanes.nginx import NGINX, nginx_argv, prepare_prefix, render_nginx_conf
-from inferlb.bench.fleet import FleetLayout, outstanding, worker_argv
-from inferlb.bench.results import RunResult
-from inferlb.bench.runner import PROBE_DURATION_S, plan_configurations, probe_duration_s
-from inferlb.bench.scenario import Fleet, Scenario, WorkerSpec, load_scenario
-from inferlb.bench.table import render_markdown, spread_by_speed, target_ratios
+from inferlb.bench.stack.dataplanes import DataPlanePorts, plan_data_plane
+from inferlb.bench.stack.dataplanes.envoy_static import CSWRR_SETTINGS, POLICIES, lb_policy, render_static_bootstrap
+from inferlb.bench.stack.dataplanes.launch import healthy_hosts, pick_decisions
+from inferlb.bench.stack.dataplanes.nginx import NGINX, nginx_argv, prepare_prefix, render_nginx_conf
+from inferlb.bench.stack.fleet import FleetLayout, outstanding, worker_argv
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.routing.runner import PROBE_DURATION_S, plan_configurations, probe_duration_s
+from inferlb.bench.load.scenario import Fleet, Scenario, WorkerSpec, load_scenario
+from inferlb.bench.report.table import render_markdown, spread_by_speed, target_ratios
 
 from .stack import envoy_binary
 

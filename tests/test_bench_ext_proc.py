@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from control_plane import resources
 from control_plane.config import DataPlaneConfig
 from ext_proc.grpc_settings import GRPC_EXPERIMENTS_DEFAULT
-from inferlb.bench.dataplanes.envoy_static import _manager, static_bootstrap
+from inferlb.bench.stack.dataplanes.envoy_static import _manager, static_bootstrap
 from inferlb.bench.ext_proc_bench.command import QUICK, settle
 from inferlb.bench.ext_proc_bench.grpc_load import grpc_drive
 from inferlb.bench.ext_proc_bench.overhead import generator_kept_up, summarise
@@ -29,7 +29,7 @@ from inferlb.bench.ext_proc_bench.stack import (
     ext_proc_filter_stats, fake_worker, static_envoy, trivial_servicer, trivial_uds,
 )
 from inferlb.bench.ext_proc_bench.workload import cycled, make_bodies, schedule
-from inferlb.bench.loadgen import LoadOutcome
+from inferlb.bench.load.loadgen import LoadOutcome
 from inferlb.bench.processes import ProcessGroup
 from inferlb.cli import build_parser
 
@@ -114,7 +114,7 @@ def test_the_bench_reads_ext_procs_front_from_its_metrics() -> None:
     from prometheus_client import generate_latest
 
     from ext_proc.metrics import ExtProcMetrics
-    from inferlb.bench.dataplanes.launch import grpc_front
+    from inferlb.bench.stack.dataplanes.launch import grpc_front
 
     metrics = ExtProcMetrics()
     assert grpc_front(generate_latest(metrics.registry).decode()) is None  # not serving yet

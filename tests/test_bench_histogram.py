@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from inferlb.bench.histogram import HIGHEST_US, LatencyHistogram
+from inferlb.bench.report.histogram import HIGHEST_US, LatencyHistogram
 
 PRECISION = 1e-3  # 3 significant digits
 

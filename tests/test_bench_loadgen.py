@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlb.bench.loadgen import run_load_blocking
-from inferlb.bench.plots import plot_cdfs, plot_load_latency
-from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import Workload
-from inferlb.bench.texts import bodies_for
-from inferlb.bench.trace import Trace, build_trace
+from inferlb.bench.load.loadgen import run_load_blocking
+from inferlb.bench.report.plots import plot_cdfs, plot_load_latency
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.load.scenario import Workload
+from inferlb.bench.load.texts import bodies_for
+from inferlb.bench.load.trace import Trace, build_trace
 
 from .conftest import free_port
 from .stack import (

@@ -17,12 +17,12 @@ from typing import Iterator
 import psutil
 import pytest
 
-from inferlb.bench.cpu_quota import CpuQuotas, candidates
-from inferlb.bench.real_fleet import real_worker_argv
-from inferlb.bench.real_fleet_calibration import TokenPoint, fit_cost, mix_lengths
-from inferlb.bench.real_fleet_report import best_peer_lines
-from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import LengthBucket, ScenarioError, load_scenario, scenario_from_mapping
+from inferlb.bench.stack.cpu_quota import CpuQuotas, candidates
+from inferlb.bench.stack.real_fleet import real_worker_argv
+from inferlb.bench.routing.real_fleet_calibration import TokenPoint, fit_cost, mix_lengths
+from inferlb.bench.routing.real_fleet_report import best_peer_lines
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.load.scenario import LengthBucket, ScenarioError, load_scenario, scenario_from_mapping
 
 from .test_bench_run import INFERLB, leftovers
 

@@ -12,9 +12,9 @@ import numpy as np
 import orjson
 import pytest
 
-from inferlb.bench.scenario import DEFAULT_MIX, ScenarioError, Workload, scenario_from_mapping
-from inferlb.bench.texts import bodies_for
-from inferlb.bench.trace import _lengths, _poisson, build_trace
+from inferlb.bench.load.scenario import DEFAULT_MIX, ScenarioError, Workload, scenario_from_mapping
+from inferlb.bench.load.texts import bodies_for
+from inferlb.bench.load.trace import _lengths, _poisson, build_trace
 
 
 def test_without_repeats_the_trace_is_the_one_before_the_knob() -> None:

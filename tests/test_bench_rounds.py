@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from inferlb.bench.results import RunResult
-from inferlb.bench.rounds import MEDIAN_ROUND, median_over_rounds, per_round_ratios, rounds_in
-from inferlb.bench.runner import ConfigurationPlan, RunSpec, plan_rounds
-from inferlb.bench.table import render_markdown
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.report.rounds import MEDIAN_ROUND, median_over_rounds, per_round_ratios, rounds_in
+from inferlb.bench.routing.runner import ConfigurationPlan, RunSpec, plan_rounds
+from inferlb.bench.report.table import render_markdown
 
 
 def _run(configuration: str, p99: float, round_: int, *, load: float = 0.8, goodput: float = 100.0,

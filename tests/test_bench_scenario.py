@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.bench.scenario import (
+from inferlb.bench.load.scenario import (
     CONFIGURATIONS,
     DEFAULT_SPEEDS,
     MAX_WORKERS,

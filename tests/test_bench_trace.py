@@ -13,9 +13,9 @@ import numpy as np
 import orjson
 import pytest
 
-from inferlb.bench.scenario import DEFAULT_MIX, LengthBucket, Workload
-from inferlb.bench.texts import WORDS, bodies_for, embeddings_body, text_with_tokens
-from inferlb.bench.trace import Trace, build_trace
+from inferlb.bench.load.scenario import DEFAULT_MIX, LengthBucket, Workload
+from inferlb.bench.load.texts import WORDS, bodies_for, embeddings_body, text_with_tokens
+from inferlb.bench.load.trace import Trace, build_trace
 
 
 def test_poisson_mean_rate_is_within_statistical_bounds() -> None:

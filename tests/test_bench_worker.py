@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.bench.worker_bench import (Result, batches_and_inputs, http_run, length_batches, mixed_lengths, ratios,
+from inferlb.bench.worker.worker_bench import (Result, batches_and_inputs, http_run, length_batches, mixed_lengths, ratios,
                                         short_lengths, wrk_script)
-from inferlb.bench.wrk import lua_string
+from inferlb.bench.load.wrk import lua_string
 from inferlb.cli import build_parser
 
 
@@ -55,7 +55,7 @@ def test_ratios_name_their_targets() -> None:
 
 def test_the_subcommand_and_its_quick_mode_parse() -> None:
     args = build_parser().parse_args(["bench", "worker", "--quick", "--json", "out.json"])
-    assert args.quick and args.json == Path("out.json") and args.func.__module__ == "inferlb.bench.worker_bench"
+    assert args.quick and args.json == Path("out.json") and args.func.__module__ == "inferlb.bench.worker.worker_bench"
 
 
 def test_http_run_measures_a_real_worker_with_wrk(tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlb.bench import cache as cache_command
-from inferlb.bench.cache_live import search_crossings, build_sweep, cache_scenario, refine_rate
-from inferlb.bench.cache_report import (
+from inferlb.bench.cache import cache as cache_command
+from inferlb.bench.cache.cache_live import search_crossings, build_sweep, cache_scenario, refine_rate
+from inferlb.bench.cache.cache_report import (
     CachePlan,
     bracket,
     cache_counts,
@@ -30,7 +30,7 @@ from inferlb.bench.cache_report import (
     verdicts,
     with_refinement,
 )
-from inferlb.bench.capacity import theoretical_capacity_rps
+from inferlb.bench.routing.capacity import theoretical_capacity_rps
 
 from .test_bench_run import INFERLB, ROOT, leftovers, out  # noqa: F401 (out: the fixture that reaps leaks)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from inferlb.bench.cpu_placement import affinity, set_affinity, thread_ids
+from inferlb.bench.ext_proc_bench.cpu_placement import affinity, set_affinity, thread_ids
 
 CHILD = """
 import sys, threading

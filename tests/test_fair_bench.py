@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.bench.fair_report import add_shares, fair_shares, fifo_shares, render
+from inferlb.bench.fairness.fair_report import add_shares, fair_shares, fifo_shares, render
 
 from .test_bench_run import INFERLB, ROOT, leftovers, out  # noqa: F401 (out: the fixture that reaps leaks)
 

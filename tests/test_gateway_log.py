@@ -1,4 +1,4 @@
-"""Envoy's own answer times read from its JSON access log (``inferlb.bench.gateway_log``): the lines the bench
+"""Envoy's own answer times read from its JSON access log (``inferlb.bench.load.gateway_log``): the lines the bench
 keeps, the ones it skips, and the wait for Envoy's timed flush."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from inferlb.bench.gateway_log import answer_times, log_size, wait_for_answers
+from inferlb.bench.load.gateway_log import answer_times, log_size, wait_for_answers
 
 SINCE = datetime(2026, 11, 26, 18, 0, 0, tzinfo=timezone.utc)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.bench.hogs import HogsPlan, render, verdict
+from inferlb.bench.fairness.hogs import HogsPlan, render, verdict
 
 from .test_bench_run import INFERLB, ROOT, leftovers, out  # noqa: F401 (out: the fixture that reaps leaks)
 

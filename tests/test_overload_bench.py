@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlb.bench.classes import trace_classes
-from inferlb.bench.overload_report import render, run_figures, verdicts
-from inferlb.bench.scenario import load_scenario
-from inferlb.bench.trace import build_trace
+from inferlb.bench.load.classes import trace_classes
+from inferlb.bench.fairness.overload_report import render, run_figures, verdicts
+from inferlb.bench.load.scenario import load_scenario
+from inferlb.bench.load.trace import build_trace
 
 from .test_bench_run import INFERLB, ROOT, leftovers, out  # noqa: F401 (out: the fixture that reaps leaks)
 

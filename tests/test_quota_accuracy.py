@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from inferlb.bench.quota_accuracy import Settings, render, run, tally
-from inferlb.bench.quota_accuracy_load import WINDOW_MS, LoadRun, Sent, duration_ms, plan_load
+from inferlb.bench.quota.quota_accuracy import Settings, render, run, tally
+from inferlb.bench.quota.quota_accuracy_load import WINDOW_MS, LoadRun, Sent, duration_ms, plan_load
 
 pytest_plugins = ("tests.redis_server",)  # the redis_server and redis_url fixtures
 
@@ -117,7 +117,7 @@ def test_bad_arguments_exit_saying_why(args: tuple[str, ...], message: str) -> N
 
 
 def test_help_names_the_target() -> None:
-    from inferlb.bench import quota_accuracy
+    from inferlb.bench.quota import quota_accuracy
 
     parser = argparse.ArgumentParser()
     quota_accuracy.add_arguments(parser)

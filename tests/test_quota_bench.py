@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import psutil
 import pytest
 
-from inferlb.bench.quota_bench import Row, render
+from inferlb.bench.quota.quota_bench import Row, render
 
 if TYPE_CHECKING:
     from .redis_server import RedisServer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from inferlb.bench.processes import ProcessGroup, free_ports
-from inferlb.bench.runner import find_envoy
+from inferlb.bench.routing.runner import find_envoy
 from inferlb.bootstrap import envoy_startup_stats_url, render_bootstrap
 from inferlb.supervisor import Component
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from inferlb.bench.rollout import render
-from inferlb.bench.rollout_live import summarise
+from inferlb.bench.deploy.rollout import render
+from inferlb.bench.deploy.rollout_live import summarise
 
 from .test_bench_run import INFERLB, ROOT, leftovers, out  # noqa: F401 (out: the fixture that reaps leaks)
 

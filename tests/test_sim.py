@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import (
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.load.scenario import (
     Fleet,
     LengthBucket,
     Scenario,
@@ -22,7 +22,7 @@ from inferlb.bench.scenario import (
     WorkerSpec,
     Workload,
 )
-from inferlb.bench.trace import build_trace
+from inferlb.bench.load.trace import build_trace
 from inferlb.sim.runner import SLOWDOWN, capacity_rps, simulate
 from inferlb.sim.validate import TOLERANCE, compare, load_bench_results
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlb.bench.classes import trace_classes
-from inferlb.bench.scenario import ClassMix, Fleet, Scenario, ScenarioError, WorkerSpec, Workload, load_scenario, \
+from inferlb.bench.load.classes import trace_classes
+from inferlb.bench.load.scenario import ClassMix, Fleet, Scenario, ScenarioError, WorkerSpec, Workload, load_scenario, \
     scenario_from_mapping
-from inferlb.bench.trace import build_trace
+from inferlb.bench.load.trace import build_trace
 from inferlb.sim.engine import SHED, Clock, Engine
 from inferlb.sim.fleet import SimFleet
 from inferlb.sim.runner import simulate

@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from inferlb.bench.scenario import Fleet, Scenario, WorkerSpec
+from inferlb.bench.load.scenario import Fleet, Scenario, WorkerSpec
 from inferlb.sim.engine import Clock
 from inferlb.sim.ext_proc_model import ExtProcBalancer
 from inferlb.sim.fleet import SimFleet

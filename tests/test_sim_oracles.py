@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import CONFIGURATIONS, Fleet, Scenario, Slowdown, WorkerSpec
-from inferlb.bench.trace import build_trace
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.load.scenario import CONFIGURATIONS, Fleet, Scenario, Slowdown, WorkerSpec
+from inferlb.bench.load.trace import build_trace
 from inferlb.sim.engine import Clock, Engine
 from inferlb.sim.fleet import SimFleet
 from inferlb.sim.oracles import ORACLE_CENTRAL_QUEUE, ORACLE_CLAIRVOYANT, ORACLES, Oracle

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlb.bench.scenario import Fleet, Scenario, Slowdown, WorkerSpec, load_scenario
+from inferlb.bench.load.scenario import Fleet, Scenario, Slowdown, WorkerSpec, load_scenario
 from inferlb.sim.oracles import ORACLE_CLAIRVOYANT, ORACLES
 from inferlb.sim.report import VS_ORACLE, against_oracles
 from inferlb.sim.runner import SLOWDOWN, STEADY, simulate

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from inferlb.bench.scenario import Fleet, WorkerSpec, load_scenario
+from inferlb.bench.load.scenario import Fleet, WorkerSpec, load_scenario
 from inferlb.sim.fleet import SimFleet
 from inferlb.sim.oracles import ORACLE_CLAIRVOYANT
 from inferlb.sim.runner import simulate

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from inferlb.bench.soak_judge import (
+from inferlb.bench.reliability.soak_judge import (
     PER,
     TOLERANCES,
     downsample,
@@ -24,7 +24,7 @@ from inferlb.bench.soak_judge import (
     judge_run,
     judge_zero,
 )
-from inferlb.bench.soak_live import JSON_POINTS, SoakPlan, SoakRunner
+from inferlb.bench.reliability.soak_live import JSON_POINTS, SoakPlan, SoakRunner
 
 MIB = 2**20
 TIMES = [float(t) for t in range(0, 600, 10)]  # a 10-minute run sampled every 10 s

@@ -1,43 +1,37 @@
 """``inferlb bench``: argument parsing only.
 
 ``inferlb bench load`` (one open-loop load against a URL) lives in
-``load_command.py``; ``inferlb bench run`` (a scenario against every data-plane
-configuration) in ``run_command.py``; ``inferlb bench overload`` (issue 13's
-classes and shedding) in ``overload.py``; ``inferlb bench hogs`` (short requests against
-workers full of the largest ones, per worker scheduling option) in ``hogs.py``; ``inferlb bench fair`` (issue 14's
-fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in ``fair.py``; ``inferlb bench
-autoscale`` (issue 15's elastic pool under a load step) in ``autoscale.py``; ``inferlb bench rollout`` (issue 15's
-canary split and rollback speed) in ``rollout.py``; ``inferlb bench faults`` (issue 20's faults under load) in
-``faults.py``; ``inferlb bench soak`` (issue 20's soak: steady load, flat memory, connections and
-accounting) in ``soak.py``; ``inferlb bench cache`` (issue 16's response cache, off and on,
-under repeated inputs) in ``cache.py``; the component
-benchmarks ``inferlb bench worker`` in ``worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
+``load/load_command.py``; ``inferlb bench run`` (a scenario against every data-plane
+configuration) in ``routing/run_command.py``; ``inferlb bench overload`` (issue 13's
+classes and shedding) in ``fairness/overload.py``; ``inferlb bench hogs`` (short requests against
+workers full of the largest ones, per worker scheduling option) in ``fairness/hogs.py``; ``inferlb bench fair``
+(issue 14's fair shares: two tenants' weights on a saturated fleet, fair queue on and off) in
+``fairness/fair.py``; ``inferlb bench autoscale`` (issue 15's elastic pool under a load step) in
+``deploy/autoscale.py``; ``inferlb bench rollout`` (issue 15's canary split and rollback speed) in
+``deploy/rollout.py``; ``inferlb bench faults`` (issue 20's faults under load) in
+``reliability/faults.py``; ``inferlb bench soak`` (issue 20's soak: steady load, flat memory, connections and
+accounting) in ``reliability/soak.py``; ``inferlb bench cache`` (issue 16's response cache, off and on,
+under repeated inputs) in ``cache/cache.py``; the component
+benchmarks ``inferlb bench worker`` in ``worker/worker_bench.py``, ``xds`` in ``xds_bench/``, ``ext-proc`` in
 ``ext_proc_bench/``, ``quota`` (a tenant's key lookup and quota check) in
-``quota_bench.py`` and ``quota-accuracy`` (tokens admitted per window against the
-quota, two ext_proc replicas on one Redis) in ``quota_accuracy.py``. Each keeps heavy imports (matplotlib, the model, the
-services) inside its ``main`` so that ``inferlb --help`` stays fast.
+``quota/quota_bench.py`` and ``quota-accuracy`` (tokens admitted per window against the
+quota, two ext_proc replicas on one Redis) in ``quota/quota_accuracy.py``. Each keeps heavy imports (matplotlib,
+the model, the services) inside its ``main`` so that ``inferlb --help`` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from . import (
-    autoscale,
-    cache,
-    fair,
-    faults,
-    hogs,
-    load_command,
-    overload,
-    quota_accuracy,
-    quota_bench,
-    rollout,
-    run_command,
-    soak,
-    worker_bench,
-)
+from .cache import cache
+from .deploy import autoscale, rollout
 from .ext_proc_bench import command as ext_proc_command
+from .fairness import fair, hogs, overload
+from .load import load_command
+from .quota import quota_accuracy, quota_bench
+from .reliability import faults, soak
+from .routing import run_command
+from .worker import worker_bench
 from .xds_bench import command as xds_command
 
 

@@ -184,7 +184,7 @@ class NginxLeastConn:
 @dataclass(frozen=True)
 class CswrrParams:
     """Envoy's ClientSideWeightedRoundRobin knobs, as the live bench configures it
-    (inferlb/bench/dataplanes/envoy_static.py). Envoy's defaults are a 10 s blackout and a 1 s update
+    (inferlb/bench/stack/dataplanes/envoy_static.py). Envoy's defaults are a 10 s blackout and a 1 s update
     period; the bench shortens both because every run starts on a fresh fleet."""
 
     blackout_period_s: float = 1.0

@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import (
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.load.scenario import (
     CONFIGURATIONS,
     PICK_PREFIX,
     Fleet,

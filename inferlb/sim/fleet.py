@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from inferlb.bench.scenario import Fleet
+from inferlb.bench.load.scenario import Fleet
 from workers.queue_order import JobQueue, QueueOrder
 
 LOAD_SAMPLE_PERIOD_S = 0.5  # workers/service.py samples its CPU and request rate this often

@@ -1,7 +1,7 @@
 """What ``inferlb sim`` prints: the bench's comparison table plus a spread summary per run (and, with a
 class mix, each class's figures); and the summary it writes with ``--summary``.
 
-The table itself is the bench's (``inferlb.bench.table``), so simulated and
+The table itself is the bench's (``inferlb.bench.report.table``), so simulated and
 live figures read alike; the spread says how the requests were shared out,
 which is where the balancers differ most on a heterogeneous fleet.
 """
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import Scenario
-from inferlb.bench.table import ms, render_markdown
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.load.scenario import Scenario
+from inferlb.bench.report.table import ms, render_markdown
 
 from .oracles import is_oracle
 

@@ -10,7 +10,7 @@ seconds into the measured window (after the warm-up), as the bench does, and
 restores it ``slowdown.duration_s`` later when that is set.
 
 With a class mix (``workload.classes``) each request gets its class as the
-live overload bench sends it (``inferlb.bench.classes``), the workers' queues
+live overload bench sends it (``inferlb.bench.load.classes``), the workers' queues
 order by class as the workers order theirs (``workers/queue_order.py``), ext_proc sheds by the scenario's ``shed_slo_ms``, and the
 result's ``extra["classes"]`` holds each class's figures. A shed request is a
 non-2xx answer (an error, as the live load generator counts a 429), answered
@@ -28,12 +28,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from inferlb.bench.capacity import theoretical_capacity_rps
-from inferlb.bench.classes import is_mixed, trace_classes
-from inferlb.bench.histogram import LatencyHistogram
-from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import CONFIGURATIONS, PICK_PREFIX, Scenario
-from inferlb.bench.trace import build_trace
+from inferlb.bench.routing.capacity import theoretical_capacity_rps
+from inferlb.bench.load.classes import is_mixed, trace_classes
+from inferlb.bench.report.histogram import LatencyHistogram
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.load.scenario import CONFIGURATIONS, PICK_PREFIX, Scenario
+from inferlb.bench.load.trace import build_trace
 from inferlb_runtime.request_class import Priority
 from workers.queue_order import QueueOrder
 

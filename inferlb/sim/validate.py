@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from inferlb.bench.results import RunResult
-from inferlb.bench.scenario import Scenario, ScenarioError, scenario_from_mapping
+from inferlb.bench.report.results import RunResult
+from inferlb.bench.load.scenario import Scenario, ScenarioError, scenario_from_mapping
 
 from .runner import SimOptions, simulate
 

@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from inferlb.bench import loadgen
-from inferlb.bench.run_command import run_on_uvloop
-from inferlb.bench.runner import ConfigurationPlan, RunSpec, ScenarioRunner, plan_rounds
-from inferlb.bench.scenario import load_scenario
+from inferlb.bench.load import loadgen
+from inferlb.bench.routing.run_command import run_on_uvloop
+from inferlb.bench.routing.runner import ConfigurationPlan, RunSpec, ScenarioRunner, plan_rounds
+from inferlb.bench.load.scenario import load_scenario
 
 Row = tuple[int, str, float]  # (tokens, worker host:port, latency s from the scheduled send)
 

@@ -8,7 +8,7 @@ and two Envoys with one worker thread each (`--concurrency 1`):
   * "ext_proc": the real stack's Envoy, configured over ADS by the control
     plane (listener with the ext_proc filter, override_host on the pick);
   * "baseline": the same Envoy without the filter: the bench's one static
-    Envoy config (inferlb.bench.dataplanes.envoy_static, built from
+    Envoy config (inferlb.bench.stack.dataplanes.envoy_static, built from
     control_plane.resources: the same listener, route and workers cluster)
     with the ext_proc filter removed from the HTTP filter chain. Not
     "ext_proc stopped": with failure_mode_allow Envoy would still open a
@@ -16,7 +16,7 @@ and two Envoys with one worker thread each (`--concurrency 1`):
 
 Phases:
 
- 1. Overhead. The bench's open-loop load generator (inferlb.bench.loadgen:
+ 1. Overhead. The bench's open-loop load generator (inferlb.bench.load.loadgen:
     aiohttp on uvloop, keep-alive connections) sends real OpenAI embeddings
     bodies (short texts) on a precomputed schedule (Poisson arrivals by
     default) at each rate, to each configuration, interleaved in rounds.

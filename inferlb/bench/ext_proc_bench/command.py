@@ -109,8 +109,8 @@ async def run(args: argparse.Namespace, log_dir: Path, results: dict[str, Any]) 
     import httpx
 
     from ..processes import ProcessGroup
-    from ..runner import find_envoy
-    from ..wrk import INSTALL_HINT, find_wrk
+    from ..routing.runner import find_envoy
+    from ..load.wrk import INSTALL_HINT, find_wrk
     from .grpc_load import direct_phase, envoy_messages
     from .overhead import overhead_phase
     from .profile import profile_phase

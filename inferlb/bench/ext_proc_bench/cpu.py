@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import psutil
 
-from ..cpu_placement import affinity, set_affinity
+from .cpu_placement import affinity, set_affinity
 
 
 def cpu_seconds(pids: Sequence[int]) -> float:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from ..dataplanes import ext_proc_component
+from ..stack.dataplanes import ext_proc_component
 from ..processes import ProcessGroup, free_port
 from .cpu import CpuMeter, pinned
 from .stack import Log, Stack, decisions, trivial_servicer, trivial_uds

@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..fleet import HOST
-from ..histogram import LatencyHistogram
-from ..loadgen import LoadOutcome, run_load
+from ..stack.fleet import HOST
+from ..report.histogram import LatencyHistogram
+from ..load.loadgen import LoadOutcome, run_load
 from ..processes import ProcessGroup
 from .cpu import CpuMeter
 from .stack import (

@@ -17,8 +17,8 @@ import sys
 from typing import Any
 
 from ...supervisor import Component
-from ..dataplanes import EXT_PROC_CACHE_ENV
-from ..fleet import child_env
+from ..stack.dataplanes import EXT_PROC_CACHE_ENV
+from ..stack.fleet import child_env
 from ..processes import ProcessGroup, free_port
 from .grpc_load import Messages, measure_direct
 from .stack import Log, Stack

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from ..processes import ProcessGroup
-from ..wrk import lua_table, run_wrk
+from ..load.wrk import lua_table, run_wrk
 from .cpu import CpuMeter
 from .stack import EXT_PROC_STATS, Log, Stack, decisions, ext_proc_filter_stats, fake_worker, post, static_envoy, \
     trivial_servicer, trivial_uds, wait_until

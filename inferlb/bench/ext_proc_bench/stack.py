@@ -23,10 +23,10 @@ import httpx
 
 from ...bootstrap import envoy_startup_stats_url
 from ...supervisor import Component
-from ..dataplanes import DataPlanePorts, plan_data_plane
-from ..dataplanes.envoy_static import bootstrap_dict, static_bootstrap
-from ..dataplanes.launch import grpc_front, healthy_hosts, pick_decisions, start_data_plane
-from ..fleet import FLEET_GROUP, HOST, child_env
+from ..stack.dataplanes import DataPlanePorts, plan_data_plane
+from ..stack.dataplanes.envoy_static import bootstrap_dict, static_bootstrap
+from ..stack.dataplanes.launch import grpc_front, healthy_hosts, pick_decisions, start_data_plane
+from ..stack.fleet import FLEET_GROUP, HOST, child_env
 from ..processes import ProcessGroup, free_port
 from .workload import PATH
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..ready import serve_ready
+from ..stack.ready import serve_ready
 
 def _answers() -> dict[str, Any]:
     """The constant answer to each kind of message (any other kind gets the request headers' one)."""

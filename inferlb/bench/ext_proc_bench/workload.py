@@ -7,9 +7,9 @@ import random
 
 import numpy as np
 
-from ..scenario import LengthBucket, Workload
-from ..texts import CORPUS, MODEL
-from ..trace import Trace, build_trace
+from ..load.scenario import LengthBucket, Workload
+from ..load.texts import CORPUS, MODEL
+from ..load.trace import Trace, build_trace
 
 PATH = "/v1/embeddings"
 

@@ -18,7 +18,7 @@ import psutil
 
 from ...bootstrap import render_bootstrap
 from ...supervisor import Component, log_tail
-from ..fleet import child_env
+from ..stack.fleet import child_env
 from ..processes import ComponentDied, ProcessGroup, free_port
 from .spec import ENVOY_NODE, Spec
 

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from ..ready import serve_ready
+from ..stack.ready import serve_ready
 from .spec import NODE_CLUSTER
 
 
