@@ -22,7 +22,7 @@ constant-time (``hmac.compare_digest``). A mutation without a valid token
 gets 401 with ``WWW-Authenticate: Bearer`` and changes nothing. Reads are
 open to loopback clients; with ``admin_auth_reads`` (or from any other
 address, when the admin port is bound beyond loopback) they need the token
-too.
+too. That rule and the check of each request are ``admin.access``'s.
 """
 
 from __future__ import annotations
