@@ -101,54 +101,35 @@ class Engine:
             progress: Callable[[int], None] | None = None, priorities: np.ndarray | None = None) -> Outcome:
         """Serve every request of the trace; stop at ``until_s`` (later completions count as never).
         ``priorities``: each request's class, for workers whose queues order by class."""
-        n = int(send_at.size)
-        send = send_at.tolist()
-        toks = tokens.tolist()
-        prio = priorities.tolist() if priorities is not None else None
-        finished = [math.nan] * n
-        served_by = [-1] * n
-        workers = self.fleet.workers
-        service_s = self.fleet.service_s
-        balancer = self.balancer
-        pick, completed = balancer.pick, balancer.completed
-        released = getattr(balancer, "released", None)
-        clock = self.clock
-        heap = self._heap
-        push, pop = heapq.heappush, heapq.heappop
-        seq = self._seq
-        for first, call in balancer.ticks():
+        replay = _Replay.of(send_at, tokens, priorities)
+        for first, call in self.balancer.ticks():
             self.at(first, call)
-        started_at = [0.0] * n  # job start (for the busy-time bookkeeping)
-        reached = list(send)  # when it reached its worker: its arrival, or when a hold released it
-        service = [0.0] * n
-        events = 0
-        pending = 0  # requests on a worker
-        i = 0
+        events = self._replay(replay, until_s, progress)
+        return Outcome(np.array(replay.finished, dtype=np.float64), np.array(replay.served_by, dtype=np.int64),
+                       events, self.clock.now)
+
+    def _tick(self, call: Tick, now: float, until_s: float) -> None:
+        """Run a periodic call and schedule its next one, if it wants one before the end."""
+        again = call(now)
+        if again is not None and again <= until_s:
+            heapq.heappush(self._heap, (again, next(self._seq), _CALL, call, None))
+
+    def _replay(self, replay: _Replay, until_s: float, progress: Callable[[int], None] | None) -> int:
+        """The event loop proper; returns how many events it processed. Everything it touches per event is
+        bound to a local first and nothing in it is a call it could do without: its speed is the simulator's."""
+        send, toks, prio, finished, served_by = replay.send, replay.toks, replay.prio, replay.finished, replay.served_by
+        started_at, reached, service = replay.started_at, replay.reached, replay.service
+        n = len(send)
+        workers, service_s = self.fleet.workers, self.fleet.service_s
+        pick, completed = self.balancer.pick, self.balancer.completed
+        clock, heap, seq = self.clock, self._heap, self._seq
+        push, pop = heapq.heappush, heapq.heappop
+        dispatch = _dispatcher(workers, service_s, replay, heap, seq)
+        release = _releaser(self.balancer, replay, dispatch)
+        events = i = 0  # events processed; the next arrival's index in the trace
+        pending = held = 0  # requests on a worker; requests the balancer keeps waiting
         next_arrival = send[0] if n else math.inf
         report_every = max(1, n // 200)
-        held = 0
-
-        def dispatch(r: int, a: int, now: float) -> None:
-            """Request ``r`` goes to worker ``a``: it starts on a free slot or joins the worker's queue."""
-            nonlocal pending
-            w = workers[a]
-            w.inflight += 1
-            pending += 1
-            reached[r] = now
-            t = toks[r]
-            if w.running < w.slots:
-                s = service_s(w, t)
-                service[r] = s
-                started_at[r] = now
-                w.running += 1
-                w.running_started_sum += now
-                w.queue_wait_count += 1
-                push(heap, (now + s, next(seq), _COMPLETE, a, r))
-            elif prio is None:
-                w.queue.append(r)
-            else:
-                w.queue.push(r, prio[r], now)
-
         while True:
             if heap and heap[0][0] <= next_arrival:
                 if i >= n and pending == 0 and held == 0:
@@ -158,10 +139,8 @@ class Engine:
                     break
                 clock.now = now
                 events += 1
-                if kind == _CALL:
-                    again = a(now)
-                    if again is not None and again <= until_s:
-                        push(heap, (again, next(seq), _CALL, a, None))
+                if kind == _CALL:  # periodic work: rare next to requests, so a call costs nothing
+                    self._tick(a, now, until_s)
                     continue
                 w = workers[a]
                 s = service[b]
@@ -187,14 +166,10 @@ class Engine:
                 w.tokens_total += toks[b]
                 w.inputs_total += 1
                 completed(b, a, now, s, inflight)
-                if held:
-                    for r, a2 in released(now):  # type: ignore[misc]
-                        held -= 1
-                        served_by[r] = a2
-                        if a2 == SHED:
-                            finished[r] = now
-                        else:
-                            dispatch(r, a2, now)
+                if held:  # a call only when the balancer holds requests (its fair admission queue)
+                    out, placed = release(now)
+                    held -= out
+                    pending += placed
                 continue
             if i >= n:  # every request sent and none left on a worker: only ticks remain
                 break
@@ -203,8 +178,7 @@ class Engine:
                 break
             clock.now = now
             events += 1
-            t = toks[i]
-            a = pick(i, t, now)
+            a = pick(i, toks[i], now)
             served_by[i] = a
             if a == SHED:  # answered at once, by the balancer
                 finished[i] = now
@@ -212,9 +186,83 @@ class Engine:
                 held += 1
             else:
                 dispatch(i, a, now)
+                pending += 1
             i += 1
             next_arrival = send[i] if i < n else math.inf
             if progress is not None and i % report_every == 0:
                 progress(report_every)
-        return Outcome(np.array(finished, dtype=np.float64), np.array(served_by, dtype=np.int64), events,
-                       clock.now)
+        return events
+
+
+@dataclass
+class _Replay:
+    """One run's per-request state, in trace order, as plain lists: indexing a list is the cheapest access
+    the event loop has, and it makes several per event."""
+
+    send: list[float]
+    toks: list[int]
+    prio: list[int] | None  # each request's class (None: the workers' queues are FIFO)
+    finished: list[float]  # NaN: not (yet) completed
+    served_by: list[int]  # the worker, SHED, or -1 before its pick
+    started_at: list[float]  # job start (for the busy-time bookkeeping)
+    reached: list[float]  # when it reached its worker: its arrival, or when a hold released it
+    service: list[float]  # its service seconds, once started
+
+    @classmethod
+    def of(cls, send_at: np.ndarray, tokens: np.ndarray, priorities: np.ndarray | None) -> "_Replay":
+        """Fresh state for a trace: nothing picked, started or finished yet."""
+        n = int(send_at.size)
+        send = send_at.tolist()
+        prio = priorities.tolist() if priorities is not None else None
+        return cls(send, tokens.tolist(), prio, [math.nan] * n, [-1] * n, [0.0] * n, list(send), [0.0] * n)
+
+
+def _dispatcher(workers: list, service_s: Callable, replay: _Replay, heap: list[tuple],
+                seq: "itertools.count[int]") -> Callable[[int, int, float], None]:
+    """``dispatch(r, a, now)``: request ``r`` goes to worker ``a``, where it starts on a free slot or joins the
+    queue. A closure over the run's lists (as cheap to call as one defined inside the loop's function)."""
+    toks, prio, started_at, reached, service = replay.toks, replay.prio, replay.started_at, replay.reached, replay.service
+    push = heapq.heappush
+
+    def dispatch(r: int, a: int, now: float) -> None:
+        w = workers[a]
+        w.inflight += 1
+        reached[r] = now
+        t = toks[r]
+        if w.running < w.slots:
+            s = service_s(w, t)
+            service[r] = s
+            started_at[r] = now
+            w.running += 1
+            w.running_started_sum += now
+            w.queue_wait_count += 1
+            push(heap, (now + s, next(seq), _COMPLETE, a, r))
+        elif prio is None:
+            w.queue.append(r)
+        else:
+            w.queue.push(r, prio[r], now)
+
+    return dispatch
+
+
+def _releaser(balancer: Balancer, replay: _Replay,
+              dispatch: Callable[[int, int, float], None]) -> Callable[[float], tuple[int, int]]:
+    """``release(now)``: what a completion lets the balancer hand back of the requests it held: each goes to
+    its worker (or is refused, ``SHED``). Returns how many left the hold and how many of those reached a
+    worker, for the loop's counts."""
+    released = getattr(balancer, "released", None)
+    served_by, finished = replay.served_by, replay.finished
+
+    def release(now: float) -> tuple[int, int]:
+        out = placed = 0
+        for r, a in released(now):  # type: ignore[misc]
+            out += 1
+            served_by[r] = a
+            if a == SHED:
+                finished[r] = now
+            else:
+                dispatch(r, a, now)
+                placed += 1
+        return out, placed
+
+    return release
