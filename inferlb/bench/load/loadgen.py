@@ -28,13 +28,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..report.histogram import LatencyHistogram
 from ..report.results import RunResult
 from .trace import Trace
+
+if TYPE_CHECKING:
+    import aiohttp
 
 WORKER_HEADERS = ("x-inferlb-worker", "x-inferlb-endpoint")
 UNKNOWN_WORKER = "?"
@@ -150,32 +153,95 @@ async def run_load(
     import aiohttp
 
     _check(url, trace, bodies, slo_s=slo_s, timeout_s=timeout_s, warmup_s=warmup_s, max_connections=max_connections)
-    outcome = LoadOutcome(offered_rps=trace.rate_rps, measured_s=trace.duration_s - warmup_s, slo_s=slo_s)
-    send_at = trace.send_at_s.tolist()  # Python floats: cheaper to index in the hot loop than numpy scalars
-    lags = np.zeros(len(send_at), dtype=np.float64)
-    request_headers = {"content-type": "application/json", **(headers or {})}
-    names = tuple(h.lower() for h in worker_headers)
-    bar = _progress_bar(len(send_at), progress)
-    loop = asyncio.get_running_loop()
+    run = _LoadRun(url, trace, bodies, slo_s=slo_s, timeout_s=timeout_s, warmup_s=warmup_s, headers=headers,
+                   worker_headers=worker_headers, on_answer=on_answer, progress=progress)
     cpu0 = time.process_time()
     connector = aiohttp.TCPConnector(limit=max_connections, force_close=False, ttl_dns_cache=None)
-    timeout = aiohttp.ClientTimeout(total=None)  # each request has its own deadline below
-    pending: set[asyncio.Task[None]] = set()
+    timeout = aiohttp.ClientTimeout(total=None)  # each request has its own deadline (see ``_LoadRun.one``)
+    tracing = aiohttp.TraceConfig()
+    tracing.on_request_headers_sent.append(run.on_headers_sent)
+    started_wall = time.perf_counter()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                     skip_auto_headers=("User-Agent",), trace_configs=[tracing]) as session:
+        try:
+            await run.send_all(session, stop)
+        finally:
+            await run.cancel_stragglers()
+    outcome = run.outcome
+    outcome.wall_s = time.perf_counter() - started_wall
+    outcome.client_cpu_s = time.process_time() - cpu0
+    if run.lags.size:
+        outcome.send_lag_p50_s = float(np.percentile(run.lags, 50))
+        outcome.send_lag_p99_s = float(np.percentile(run.lags, 99))
+        outcome.send_lag_max_s = float(run.lags.max())
+    return outcome
 
-    async def one(i: int, scheduled: float, session: aiohttp.ClientSession) -> None:
-        measured = send_at[i] >= warmup_s
-        sent: dict[str, float] = {}  # the trace hook below stamps "at" when the headers are out
+
+class _LoadRun:
+    """One run of ``run_load``: the trace's schedule, the requests in flight and what they measured. Its
+    methods are the run's steps: sending on schedule, one request's life, cutting off the stragglers."""
+
+    def __init__(self, url: str, trace: Trace, bodies: Sequence[bytes], *, slo_s: float, timeout_s: float,
+                 warmup_s: float, headers: Mapping[str, str] | None, worker_headers: Sequence[str],
+                 on_answer: Callable[[Answer], None] | None, progress: bool) -> None:
+        import aiohttp
+
+        self.client_error = aiohttp.ClientError
+        self.url, self.bodies, self.timeout_s, self.warmup_s = url, bodies, timeout_s, warmup_s
+        self.on_answer = on_answer
+        self.outcome = LoadOutcome(offered_rps=trace.rate_rps, measured_s=trace.duration_s - warmup_s, slo_s=slo_s)
+        self.send_at = trace.send_at_s.tolist()  # Python floats: cheaper to index in the hot loop than numpy's
+        self.lags = np.zeros(len(self.send_at), dtype=np.float64)  # how late each request was sent
+        self.request_headers = {"content-type": "application/json", **(headers or {})}
+        self.names = tuple(h.lower() for h in worker_headers)
+        self.bar = _progress_bar(len(self.send_at), progress)
+        self.loop = asyncio.get_running_loop()
+        self.pending: set[asyncio.Task[None]] = set()
+        self.t0 = 0.0  # the loop's time at the trace's zero, set when sending starts
+
+    async def send_all(self, session: aiohttp.ClientSession, stop: asyncio.Event | None) -> None:
+        """Send each request when the trace says (everything due at once when the client is late), then
+        wait for the answers. Nothing more is sent once ``stop`` is set."""
+        loop, send_at, warmup_s, outcome, lags, pending = (self.loop, self.send_at, self.warmup_s, self.outcome,
+                                                           self.lags, self.pending)
+        t0 = self.t0 = loop.time()
+        i, n = 0, len(send_at)
+        while i < n and not (stop is not None and stop.is_set()):
+            now = loop.time()
+            due = t0 + send_at[i]
+            if due > now:
+                await asyncio.sleep(due - now)
+                continue
+            while i < n and t0 + send_at[i] <= now:  # everything due by now, in order
+                scheduled = t0 + send_at[i]
+                lags[i] = now - scheduled
+                if send_at[i] < warmup_s:
+                    outcome.warmup_sent += 1
+                else:
+                    outcome.sent += 1
+                task = loop.create_task(self.one(i, scheduled, session))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                outcome.max_inflight = max(outcome.max_inflight, len(pending))
+                i += 1
+        if pending:  # each has its own deadline; this bound only guards against a bug
+            await asyncio.wait(set(pending), timeout=self.timeout_s + 1.0)
+
+    async def one(self, i: int, scheduled: float, session: aiohttp.ClientSession) -> None:
+        """Request ``i``, sent now (``scheduled`` on the loop's clock), to its answer or its deadline."""
+        measured = self.send_at[i] >= self.warmup_s
+        sent: dict[str, float] = {}  # ``on_headers_sent`` stamps "at" when the headers are out
         status: int | None = None
         worker = UNKNOWN_WORKER
         found: dict[str, str] = {}
         error: str | None = None
         try:
-            async with asyncio.timeout_at(scheduled + timeout_s):
-                async with session.post(url, data=bodies[i], headers=request_headers,
+            async with asyncio.timeout_at(scheduled + self.timeout_s):
+                async with session.post(self.url, data=self.bodies[i], headers=self.request_headers,
                                         trace_request_ctx=sent) as response:
                     await response.read()
                     status = response.status
-                    for name in names:
+                    for name in self.names:
                         value = response.headers.get(name)
                         if value:
                             found[name] = value
@@ -184,68 +250,32 @@ async def run_load(
             error = "timeout"
         except asyncio.CancelledError:  # a straggler cut off at the end of the run
             if measured:
-                outcome.timeouts += 1
-            if on_answer is not None:
-                on_answer(Answer(send_at[i], loop.time() - t0, None, "timeout", found))
+                self.outcome.timeouts += 1
+            if self.on_answer is not None:
+                self.on_answer(Answer(self.send_at[i], self.loop.time() - self.t0, None, "timeout", found))
             raise
-        except aiohttp.ClientError as exc:
+        except (self.client_error, OSError) as exc:
             error = type(exc).__name__
-        except OSError as exc:
-            error = type(exc).__name__
-        finished = loop.time()
-        if bar is not None:
-            bar.update()
-        if on_answer is not None:
-            on_answer(Answer(send_at[i], finished - t0, status, error, found))
-        if not measured:
-            return
-        _record(outcome, status, error, worker, finished - scheduled, finished - sent.get("at", scheduled))
+        finished = self.loop.time()
+        if self.bar is not None:
+            self.bar.update()
+        if self.on_answer is not None:
+            self.on_answer(Answer(self.send_at[i], finished - self.t0, status, error, found))
+        if measured:
+            _record(self.outcome, status, error, worker, finished - scheduled, finished - sent.get("at", scheduled))
 
-    async def on_headers_sent(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
-        context.trace_request_ctx["at"] = loop.time()
+    async def on_headers_sent(self, session: aiohttp.ClientSession, context: Any, params: Any) -> None:
+        """aiohttp's trace hook: when the request's headers went out (the start of its service time)."""
+        context.trace_request_ctx["at"] = self.loop.time()
 
-    tracing = aiohttp.TraceConfig()
-    tracing.on_request_headers_sent.append(on_headers_sent)
-    started_wall = time.perf_counter()
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                     skip_auto_headers=("User-Agent",), trace_configs=[tracing]) as session:
-        t0 = loop.time()
-        i, n = 0, len(send_at)
-        try:
-            while i < n and not (stop is not None and stop.is_set()):
-                now = loop.time()
-                due = t0 + send_at[i]
-                if due > now:
-                    await asyncio.sleep(due - now)
-                    continue
-                while i < n and t0 + send_at[i] <= now:  # everything due by now, in order
-                    scheduled = t0 + send_at[i]
-                    lags[i] = now - scheduled
-                    if send_at[i] < warmup_s:
-                        outcome.warmup_sent += 1
-                    else:
-                        outcome.sent += 1
-                    task = loop.create_task(one(i, scheduled, session))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                    outcome.max_inflight = max(outcome.max_inflight, len(pending))
-                    i += 1
-            if pending:  # each has its own deadline; this bound only guards against a bug
-                await asyncio.wait(set(pending), timeout=timeout_s + 1.0)
-        finally:
-            stragglers = list(pending)
-            for task in stragglers:
-                task.cancel()
-            await asyncio.gather(*stragglers, return_exceptions=True)
-            if bar is not None:
-                bar.close()
-    outcome.wall_s = time.perf_counter() - started_wall
-    outcome.client_cpu_s = time.process_time() - cpu0
-    if lags.size:
-        outcome.send_lag_p50_s = float(np.percentile(lags, 50))
-        outcome.send_lag_p99_s = float(np.percentile(lags, 99))
-        outcome.send_lag_max_s = float(lags.max())
-    return outcome
+    async def cancel_stragglers(self) -> None:
+        """Cancel what is still in flight (they count as timeouts) and close the progress bar."""
+        stragglers = list(self.pending)
+        for task in stragglers:
+            task.cancel()
+        await asyncio.gather(*stragglers, return_exceptions=True)
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run_load_blocking(*args: Any, **kwargs: Any) -> LoadOutcome:
