@@ -29,12 +29,14 @@ from inferlb_runtime.tracing import Tracing, TracingConfig, start_tracing
 from .config import ExtProcConfig, load_config
 from .fair_queue import GateSettings
 from .metrics import ExtProcMetrics, LiveState, create_http_app
+from .pipeline import check_operator_stages
 from .quota import QuotaStore
 from .quota_stores import open_quota_store
 from .registry import PluginRegistry
 from .response_cache_redis import RedisResponseCache
 from .server import ExtProcServicer, ServiceSettings
 from .serving import HealthReporter, serve_grpc
+from .stages.operator import OperatorStageSpec
 from .tokens import TokenCounter, packaged_tokenizer_path
 from .xds_client import PickPolicySpec, XdsClient, XdsClientSettings
 
@@ -82,7 +84,10 @@ def service_settings(config: ExtProcConfig) -> ServiceSettings:
         cache_max_entry_bytes=config.cache_max_entry_bytes, cache_per_tenant=config.cache_per_tenant,
         fair_queue=GateSettings(max_wait_s=config.fair_queue_max_wait_s, max_queued=config.fair_queue_max_queued,
                                 max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,
-                                aging_s=config.fair_queue_aging_s))
+                                aging_s=config.fair_queue_aging_s),
+        inference_paths=tuple(config.inference_paths),
+        stages=tuple(OperatorStageSpec(stage.plugin, stage.params, stage.before, stage.timeout_ms / 1000)
+                     for stage in config.stages))
 
 
 def open_shared_cache(config: ExtProcConfig) -> RedisResponseCache | None:
@@ -245,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         PluginRegistry(config.policy_allowlist).build(config.pick_policy,
                                                       config.pick_params)  # refuse a bad policy up front
+        check_operator_stages(service_settings(config).stages, config.policy_allowlist)  # and a bad stage
         packaged_tokenizer_path()  # and a missing model package (tokens are counted with its tokenizer)
         tls = xds_tls(config)  # and unusable TLS files (TlsConfigError is a ValueError)
         tracing_config = TracingConfig.from_env(os.environ, "inferlb-ext-proc")  # OTEL_*: off unless set

@@ -13,7 +13,7 @@ import socket
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     SettingsConfigDict,
@@ -27,6 +27,19 @@ from inferlb_runtime.tls import all_or_none
 from .quota import check_store_url
 
 MIB = 1024 * 1024
+
+
+class StageConfig(BaseModel):
+    """An operator's request stage (``[[ext_proc.stages]]``; ext_proc/stages/operator.py): an entry point of
+    ``inferlb.policies`` or a ``module:attribute`` under ``allowed_policy_modules``, its parameters, the
+    built-in stage it runs before, and its time budget per request (over it: skipped, counted)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plugin: str = Field(min_length=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+    before: Literal["quota", "models", "cache", "admission", "decide"] = "decide"
+    timeout_ms: int = Field(50, ge=1, le=10_000)
 
 
 def default_node_id() -> str:
@@ -81,6 +94,12 @@ class ExtProcConfig(BaseSettings):
     # module:attribute pick policies (from the config or EDS) load only under these module prefixes, by
     # whole dotted components; none by default. Entry points (inferlb.policies) are always allowed.
     allowed_policy_modules: PolicyModules = Field(default_factory=list)
+    # The paths a request with a body may be POSTed to: the inference API the workers serve. A POST elsewhere
+    # is answered 404 not_found at the gateway, whatever its model.
+    inference_paths: list[str] = Field(default_factory=lambda: ["/v1/embeddings"], min_length=1)
+    # The operator's own request stages, in order, each run before the built-in stage it names (default:
+    # the decision). Loaded at start-up under the same allowlist as policies; a failing one is skipped.
+    stages: list[StageConfig] = Field(default_factory=list)
     # Envoy buffers up to this much body (its route's request_body_buffer_limit) and sends it
     # in one gRPC message; gRPC must accept that message plus the headers around it. A stream whose
     # body goes over it (in one message or in chunks) gets a 413 at once: nothing is buffered past it.

@@ -146,6 +146,9 @@ _HOT_COUNTERS = {
                       ("missing_key", "invalid_key", "no_key_table")),
     "deadlines": (f"{PREFIX}deadline_predictions", "Requests with a deadline, by whether their pick's predicted "
                   "completion meets it (missed: no candidate could).", "predicted", ("met", "missed")),
+    "stage_failures": (f"{PREFIX}stage_failures", "Operator request stages skipped for a request because they "
+                       "failed (raised, returned something else than a Reply or None, or ran over their time "
+                       "budget): the request went on without them.", "stage", ()),
 }
 MAX_LABELS = 32  # distinct values per hot counter; later ones count as "other" (a plugin names admit codes)
 MAX_TENANTS = 1000  # tenants with series of their own; later ones count as "other"

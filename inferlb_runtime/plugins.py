@@ -52,10 +52,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 GROUP = "inferlb.policies"
-Kind = Literal["weight", "admit", "filter", "scorer"]
-# The method that makes an object a plugin of each kind: a control-plane weight policy, or a step of
-# ext_proc's pick chain (inferlb_runtime/pick_chain.py).
-METHODS: Mapping[str, str] = {"weight": "compute", "admit": "admit", "filter": "filter", "scorer": "score"}
+Kind = Literal["weight", "admit", "filter", "scorer", "stage"]
+# The method that makes an object a plugin of each kind: a control-plane weight policy, a step of ext_proc's
+# pick chain (inferlb_runtime/pick_chain.py), or an operator's request stage in ext_proc (ext_proc/stages/).
+METHODS: Mapping[str, str] = {"weight": "compute", "admit": "admit", "filter": "filter", "scorer": "score",
+                              "stage": "on_request"}
 
 _IDENT = r"[A-Za-z_]\w*"
 SPEC = re.compile(rf"^{_IDENT}(?:\.{_IDENT})*:{_IDENT}(?:\.{_IDENT})*$")

@@ -31,7 +31,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 INT8, FP32 = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32"
 FAMILY, ST = "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"
@@ -127,3 +127,18 @@ def test_the_version_ext_proc_chooses_reaches_the_worker_in_its_header(gateway: 
         assert (sample(metrics, "inferlb_ext_proc_model_decisions_total", model=FP32) or 0) >= 5
     finally:
         gateway.admin("DELETE", f"/v1/rollouts/{FAMILY}")
+
+
+def test_a_post_to_a_path_the_fleet_does_not_serve_is_404_not_found_whatever_its_model(gateway: Gateway) -> None:
+    """The route is checked before the model: a chat request for a served model and for an unknown one get
+    the same 404 ``not_found`` (it was the worker's not_found for one, the gateway's model_not_found for the
+    other), and no worker sees either."""
+    before = sum(worker_requests(w) for w in gateway.workers)
+    with http() as client:
+        answers = [client.post(gateway.url("/v1/chat/completions"), json={"model": model, "messages": []}, timeout=30)
+                   for model in (INT8, "no-such-model")]
+    for response in answers:
+        assert response.status_code == 404, response.text
+        assert response.json()["error"]["code"] == "not_found"
+        assert "/v1/chat/completions" in response.json()["error"]["message"]
+    assert sum(worker_requests(w) for w in gateway.workers) == before

@@ -36,12 +36,12 @@ def test_an_answer_stored_by_one_replica_is_a_hit_at_another(counter: TokenCount
         first, second = shared(redis_url), shared(redis_url)
         try:
             async with serving(counter, static_view([A]), settings=CACHED) as one:
-                one.servicer.shared_cache = first
+                one.servicer.stage("cache").shared = first
                 call, _ = await ask(one, {"model": INT8, "input": "shared"})
                 await served(call)
-                await asyncio.gather(*one.servicer._shared_stores)  # the store runs off the stream
+                await asyncio.gather(*one.servicer.stage("cache").shared_stores)  # the store runs off the stream
             async with serving(counter, static_view([A]), settings=CACHED) as other:
-                other.servicer.shared_cache = second
+                other.servicer.stage("cache").shared = second
                 _, hit = await ask(other, {"model": INT8, "input": "shared"})
                 assert hit.immediate_response.status.code == 200 and hit.immediate_response.body == ANSWER
                 samples = cache_samples(other)

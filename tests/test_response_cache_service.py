@@ -11,6 +11,7 @@ from typing import Any
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from ext_proc.model import EndpointView
 from ext_proc.server import ServiceSettings
@@ -28,6 +29,8 @@ from .test_ext_proc_service import (
     set_headers,
 )
 from .test_ext_proc_tenants import BATCH_KEY, KEY, TABLE, bearer
+
+pytestmark = pytest.mark.servers
 
 INT8, FP32 = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32"
 FAMILY = "all-MiniLM-L6-v2"
@@ -76,7 +79,7 @@ def test_a_miss_is_stored_from_the_response_body_and_the_same_question_is_answer
             answer = await served(call)
             assert set_headers(answer.response_headers.response.header_mutation)["x-inferlb-cache"] == "miss"
             assert answer.mode_override.response_body_mode == BUFFERED_PARTIAL  # asked for this one body
-            assert len(h.servicer.cache) == 1
+            assert len(h.servicer.stage("cache").cache) == 1
 
             # The same question, spelt otherwise: answered by ext_proc, routed nowhere.
             call, hit = await ask(h, {"input": [ "hello", "world"], "model": INT8})
@@ -115,7 +118,7 @@ def test_what_is_never_stored_and_what_never_matches(counter: TokenCounter) -> N
                 answer = await served(call, version, status)
                 assert not answer.HasField("mode_override")  # the body is not asked for
                 assert set_headers(answer.response_headers.response.header_mutation)["x-inferlb-cache"] == "miss"
-            assert len(h.servicer.cache) == 0
+            assert len(h.servicer.stage("cache").cache) == 0
 
             # Another version of the same input misses; a version leaving the catalogue takes its answers.
             call, _ = await ask(h, {"model": FP32, "input": "x"})
@@ -123,9 +126,9 @@ def test_what_is_never_stored_and_what_never_matches(counter: TokenCounter) -> N
             call, other = await ask(h, {"model": INT8, "input": "x"})
             assert other.WhichOneof("response") == "request_body"
             await served(call, INT8)
-            assert len(h.servicer.cache) == 2
+            assert len(h.servicer.stage("cache").cache) == 2
             h.source.set(static_view([EndpointView(A.id, A.address, A.port, models=(INT8,))]))
-            assert len(h.servicer.cache) == 1
+            assert len(h.servicer.stage("cache").cache) == 1
 
     asyncio.run(scenario())
 
@@ -159,7 +162,7 @@ def test_a_hit_counts_against_the_quota_and_tenants_can_be_isolated(counter: Tok
 def test_the_cache_off_still_says_miss(counter: TokenCounter) -> None:  # noqa: F811
     async def scenario() -> None:
         async with serving(counter, static_view([A])) as h:  # cache_max_bytes 0: off
-            assert h.servicer.cache is None
+            assert "cache" not in h.servicer.stages.names
             call, _ = await ask(h, {"model": INT8, "input": "x"})
             answer = await served(call)
             assert set_headers(answer.response_headers.response.header_mutation)["x-inferlb-cache"] == "miss"
