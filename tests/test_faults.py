@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from inferlb.bench.reliability.faults_live import PIN_WHEN_BACK, FaultPlan, FaultRunner
+from inferlb.bench.reliability.faults_live import FaultRunner
+from inferlb.bench.reliability.faults_plan import FaultPlan
+from inferlb.bench.reliability.faults_stores import PIN_WHEN_BACK
 from inferlb.bench.reliability.faults_postgres import server_binaries
 
 PLAN = FaultPlan(load=0.7, baseline=40, tail=40, max_run_s=60.0, react_timeout_s=20.0)

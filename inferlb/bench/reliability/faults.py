@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-from .faults_live import FAULTS, FaultPlan
+from .faults_plan import FAULTS, FaultPlan
 
 DESCRIPTION = """\
 Faults under load (issue 20). For each fault, a fresh stack on loopback: simulated workers (python -m workers

@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from .faults_live import FaultPlan, FaultRunner
+from .faults_live import FaultRunner
+from .faults_plan import FaultPlan
 from ..load.loadgen import Answer, LoadOutcome, run_load
 from ..processes import ProcessGroup
 from ..routing.runner import CAPACITY_CONFIGURATION, Report

@@ -10,21 +10,12 @@ import httpx
 
 from ...report.exposition import sums_by_label
 from ...processes import ProcessGroup
-from . import WORKERS_CLUSTER, DataPlanePlan
+from . import DataPlanePlan
+from .envoy_admin import healthy_hosts
 
 
 class DataPlaneError(RuntimeError):
     """A data plane that could not be configured or did not become ready; the message says which and why."""
-
-
-def healthy_hosts(clusters_text: str, cluster: str = WORKERS_CLUSTER) -> set[str]:
-    """``host:port`` of the hosts Envoy's admin ``/clusters`` shows healthy in ``cluster``."""
-    healthy = set()
-    for line in clusters_text.splitlines():
-        parts = line.split("::")
-        if len(parts) == 4 and parts[0] == cluster and parts[2] == "health_flags" and parts[3] == "healthy":
-            healthy.add(parts[1])
-    return healthy
 
 
 def pick_decisions(metrics_text: str) -> dict[str, int]:
