@@ -29,14 +29,13 @@ from ....bootstrap import envoy_startup_stats_url, render_bootstrap
 from ....supervisor import Component
 from ..fleet import child_env
 from ...processes import free_ports
-
-# ext_proc's gateway cache (issue 16) is on by default in the product; a balancer comparison turns it off,
-# so that each configuration's workers see every request (``inferlb bench cache`` turns it back on).
-EXT_PROC_CACHE_ENV = "INFERLB_EXT_PROC_CACHE_MAX_BYTES"
 from ...load.scenario import CONFIGURATIONS, PICK_PREFIX, known_configuration
 from .envoy_static import POLICIES, WORKERS_CLUSTER, render_static_bootstrap
 from .nginx import NGINX, nginx_argv, prefix_directories, render_nginx_conf
 
+# ext_proc's gateway cache (issue 16) is on by default in the product; a balancer comparison turns it off,
+# so that each configuration's workers see every request (``inferlb bench cache`` turns it back on).
+EXT_PROC_CACHE_ENV = "INFERLB_EXT_PROC_CACHE_MAX_BYTES"
 INFERENCE_PATH = "/v1/embeddings"
 ENVOY_FLAGS = ("--disable-hot-restart", "--concurrency", "1", "--log-level", "warning", "--drain-time-s", "1")
 
@@ -98,77 +97,115 @@ def plan_data_plane(
     if not known_configuration(configuration):
         raise ValueError(f"unknown configuration {configuration!r}; known: {', '.join(CONFIGURATIONS)}, "
                          f"{PICK_PREFIX}<policy>")
-    logs = workdir / "logs"
-    url = f"http://127.0.0.1:{ports.listener}{INFERENCE_PATH}"
-    envoy_admin_url = f"http://127.0.0.1:{ports.envoy_admin}"
-
-    def envoy_component(bootstrap: Path) -> Component:
-        return Component(name="envoy", argv=[envoy, "-c", str(bootstrap), *ENVOY_FLAGS],
-                         ready_url=f"{envoy_admin_url}/ready", log_path=logs / "envoy.log", env=child_env(),
-                         ready_timeout_s=30.0, diagnose_url=envoy_startup_stats_url(envoy_admin_url))
-
     if configuration in POLICIES:
-        bootstrap = workdir / "envoy-bootstrap.json"
-        doc = render_static_bootstrap(configuration, endpoints=endpoints, listener_port=ports.listener,
-                                      admin_port=ports.envoy_admin, request_timeout_s=request_timeout_s)
-        policy = doc["static_resources"]["clusters"][0]["load_balancing_policy"]["policies"][0]
-        return DataPlanePlan(configuration, url, {bootstrap: json.dumps(doc, indent=2)},
-                             ((envoy_component(bootstrap),),), envoy_admin_url=envoy_admin_url,
-                             directories=(logs,),
-                             notes={"lb_policy": policy["typed_extension_config"]["typed_config"]})
-
+        return _static_envoy_plan(configuration, endpoints, workdir, ports, request_timeout_s, envoy)
     if configuration == "nginx_least_conn":
-        prefix = workdir / "nginx"
-        conf = prefix / "nginx.conf"
-        text = render_nginx_conf(endpoints=endpoints, listen_port=ports.listener, prefix=prefix,
-                                 request_timeout_s=request_timeout_s)
-        component = Component(name="nginx", argv=nginx_argv(conf, prefix, binary=nginx),
-                              # nginx answers when it proxies a worker's readiness probe
-                              ready_url=f"http://127.0.0.1:{ports.listener}/readyz",
-                              log_path=logs / "nginx.log", env=child_env(), ready_timeout_s=30.0)
-        return DataPlanePlan(configuration, url, {conf: text}, ((component,),),
-                             check_argv=tuple(nginx_argv(conf, prefix, test=True, binary=nginx)),
-                             directories=(logs, *prefix_directories(prefix)), notes={"lb": "least_conn", "keepalive": True})
+        return _nginx_plan(configuration, endpoints, workdir, ports, request_timeout_s, nginx)
+    return _inferlb_plan(configuration, endpoints, workdir, ports, request_timeout_s, envoy, python=python,
+                         admin_token=admin_token, envoy_uds=ext_proc_uds if envoy_ext_proc_uds else None,
+                         ext_proc_uds=ext_proc_uds, retries=retries)
 
-    # inferlb: the control plane, then ext_proc and Envoy (Envoy's bootstrap points at the control plane)
+
+def _url(ports: DataPlanePorts) -> str:
+    """Where the bench sends its requests: the data plane's listener."""
+    return f"http://127.0.0.1:{ports.listener}{INFERENCE_PATH}"
+
+
+def _envoy_admin_url(ports: DataPlanePorts) -> str:
+    return f"http://127.0.0.1:{ports.envoy_admin}"
+
+
+def _envoy_component(envoy: str, bootstrap: Path, ports: DataPlanePorts, logs: Path) -> Component:
+    """One Envoy on ``bootstrap``, ready when its admin ``/ready`` says so."""
+    admin_url = _envoy_admin_url(ports)
+    return Component(name="envoy", argv=[envoy, "-c", str(bootstrap), *ENVOY_FLAGS],
+                     ready_url=f"{admin_url}/ready", log_path=logs / "envoy.log", env=child_env(),
+                     ready_timeout_s=30.0, diagnose_url=envoy_startup_stats_url(admin_url))
+
+
+def _static_envoy_plan(configuration: str, endpoints: Sequence[tuple[str, int]], workdir: Path,
+                       ports: DataPlanePorts, request_timeout_s: float, envoy: str) -> DataPlanePlan:
+    """(a)-(c): Envoy on a static bootstrap, balancing with its own ``configuration`` policy."""
+    logs = workdir / "logs"
+    bootstrap = workdir / "envoy-bootstrap.json"
+    doc = render_static_bootstrap(configuration, endpoints=endpoints, listener_port=ports.listener,
+                                  admin_port=ports.envoy_admin, request_timeout_s=request_timeout_s)
+    policy = doc["static_resources"]["clusters"][0]["load_balancing_policy"]["policies"][0]
+    return DataPlanePlan(configuration, _url(ports), {bootstrap: json.dumps(doc, indent=2)},
+                         ((_envoy_component(envoy, bootstrap, ports, logs),),),
+                         envoy_admin_url=_envoy_admin_url(ports), directories=(logs,),
+                         notes={"lb_policy": policy["typed_extension_config"]["typed_config"]})
+
+
+def _nginx_plan(configuration: str, endpoints: Sequence[tuple[str, int]], workdir: Path, ports: DataPlanePorts,
+                request_timeout_s: float, nginx: str) -> DataPlanePlan:
+    """(d): nginx with ``least_conn`` and keep-alive to the workers, its config checked (``nginx -t``) first."""
+    logs = workdir / "logs"
+    prefix = workdir / "nginx"
+    conf = prefix / "nginx.conf"
+    text = render_nginx_conf(endpoints=endpoints, listen_port=ports.listener, prefix=prefix,
+                             request_timeout_s=request_timeout_s)
+    component = Component(name="nginx", argv=nginx_argv(conf, prefix, binary=nginx),
+                          # nginx answers when it proxies a worker's readiness probe
+                          ready_url=f"http://127.0.0.1:{ports.listener}/readyz",
+                          log_path=logs / "nginx.log", env=child_env(), ready_timeout_s=30.0)
+    return DataPlanePlan(configuration, _url(ports), {conf: text}, ((component,),),
+                         check_argv=tuple(nginx_argv(conf, prefix, test=True, binary=nginx)),
+                         directories=(logs, *prefix_directories(prefix)), notes={"lb": "least_conn", "keepalive": True})
+
+
+def _inferlb_plan(configuration: str, endpoints: Sequence[tuple[str, int]], workdir: Path, ports: DataPlanePorts,
+                  request_timeout_s: float, envoy: str, *, python: str, admin_token: str | None,
+                  ext_proc_uds: Path | None, envoy_uds: Path | None, retries: int) -> DataPlanePlan:
+    """(e)-(g): the control plane, then ext_proc (unless ``inferlb_weights``) and Envoy, whose bootstrap
+    points at the control plane. ``envoy_uds``: the socket Envoy reaches ext_proc on (None: TCP)."""
+    logs = workdir / "logs"
     with_ext_proc = configuration != "inferlb_weights"
     pick = configuration[len(PICK_PREFIX):] if configuration.startswith(PICK_PREFIX) else None
     token = admin_token or secrets.token_urlsafe(24)
     cp_data = workdir / "control-plane-data"
     cp_url = f"http://127.0.0.1:{ports.control_plane_admin}"
-    cp_env = child_env({
-        "INFERLB_DATA_DIR": str(cp_data),
-        "INFERLB_ADMIN_TOKEN": token,
-        "INFERLB_CP_DATA_PLANE__LISTENER_PORT": str(ports.listener),
-        "INFERLB_CP_DATA_PLANE__EXT_PROC_PORT": str(ports.ext_proc),
-        "INFERLB_CP_DATA_PLANE__EXT_PROC_ENABLED": "true" if with_ext_proc else "false",
-        "INFERLB_CP_DATA_PLANE__RETRIES": str(retries),  # 0: no configuration retries
-        "INFERLB_CP_DATA_PLANE__REQUEST_TIMEOUT_S": f"{request_timeout_s:g}",
-        **({"INFERLB_CP_DATA_PLANE__EXT_PROC_UDS_PATH": str(ext_proc_uds)}
-           if ext_proc_uds and envoy_ext_proc_uds else {}),
-    })
-    cp_argv = [python, "-m", "control_plane", "--xds-port", str(ports.xds), "--admin-port",
-               str(ports.control_plane_admin), "--data-dir", str(cp_data), "--log-level", "warning"]
-    for host, port in endpoints:
-        cp_argv += ["--endpoint", f"{host}:{port}"]
-    control_plane = Component(name="control-plane", argv=cp_argv, ready_url=f"{cp_url}/readyz",
-                              log_path=logs / "control-plane.log", env=cp_env, ready_timeout_s=60.0)
+    control_plane = _control_plane(endpoints, ports, cp_data, logs, python=python, token=token,
+                                   with_ext_proc=with_ext_proc, retries=retries,
+                                   request_timeout_s=request_timeout_s, envoy_uds=envoy_uds)
     bootstrap = workdir / "envoy-bootstrap.yaml"
     text = render_bootstrap(node_id="envoy-bench", xds_port=ports.xds, admin_port=ports.envoy_admin)
-    second: list[Component] = [envoy_component(bootstrap)]
+    second: list[Component] = [_envoy_component(envoy, bootstrap, ports, logs)]
     ext_proc_metrics_url = None
     if with_ext_proc:
         ext_proc_metrics_url = f"http://127.0.0.1:{ports.ext_proc_metrics}"
         second.insert(0, ext_proc_component("ext_proc", port=ports.ext_proc, metrics_port=ports.ext_proc_metrics,
                                             xds_port=ports.xds, logs=logs, data_dir=cp_data, python=python,
                                             pick=pick, uds=ext_proc_uds))
-    return DataPlanePlan(configuration, url, {bootstrap: text}, ((control_plane,), tuple(second)),
-                         envoy_admin_url=envoy_admin_url, control_plane_url=cp_url,
+    return DataPlanePlan(configuration, _url(ports), {bootstrap: text}, ((control_plane,), tuple(second)),
+                         envoy_admin_url=_envoy_admin_url(ports), control_plane_url=cp_url,
                          ext_proc_metrics_url=ext_proc_metrics_url, admin_token=token, pick_policy=pick,
                          directories=(logs, cp_data),
                          notes={"ext_proc": with_ext_proc, "retries": retries,
-                                "ext_proc_transport": "uds" if ext_proc_uds and envoy_ext_proc_uds else "tcp",
+                                "ext_proc_transport": "uds" if envoy_uds else "tcp",
                                 **({"pick_policy": pick} if pick else {})})
+
+
+def _control_plane(endpoints: Sequence[tuple[str, int]], ports: DataPlanePorts, data_dir: Path, logs: Path, *,
+                   python: str, token: str, with_ext_proc: bool, retries: int, request_timeout_s: float,
+                   envoy_uds: Path | None) -> Component:
+    """``python -m control_plane`` with the fleet's endpoints, configuring Envoy for this data plane."""
+    env = child_env({
+        "INFERLB_DATA_DIR": str(data_dir),
+        "INFERLB_ADMIN_TOKEN": token,
+        "INFERLB_CP_DATA_PLANE__LISTENER_PORT": str(ports.listener),
+        "INFERLB_CP_DATA_PLANE__EXT_PROC_PORT": str(ports.ext_proc),
+        "INFERLB_CP_DATA_PLANE__EXT_PROC_ENABLED": "true" if with_ext_proc else "false",
+        "INFERLB_CP_DATA_PLANE__RETRIES": str(retries),  # 0: no configuration retries
+        "INFERLB_CP_DATA_PLANE__REQUEST_TIMEOUT_S": f"{request_timeout_s:g}",
+        **({"INFERLB_CP_DATA_PLANE__EXT_PROC_UDS_PATH": str(envoy_uds)} if envoy_uds else {}),
+    })
+    argv = [python, "-m", "control_plane", "--xds-port", str(ports.xds), "--admin-port",
+            str(ports.control_plane_admin), "--data-dir", str(data_dir), "--log-level", "warning"]
+    for host, port in endpoints:
+        argv += ["--endpoint", f"{host}:{port}"]
+    return Component(name="control-plane", argv=argv, ready_url=f"http://127.0.0.1:{ports.control_plane_admin}/readyz",
+                     log_path=logs / "control-plane.log", env=env, ready_timeout_s=60.0)
 
 
 def ext_proc_component(name: str, *, port: int, metrics_port: int, xds_port: int, logs: Path, data_dir: Path,
