@@ -35,6 +35,8 @@ from ..report.table import ms
 if TYPE_CHECKING:
     import httpx
 
+    from ..load.loadgen import LoadOutcome
+    from ..load.trace import Trace
     from ..processes import ProcessGroup
 
 TARGET_P99_S = 0.100
@@ -204,7 +206,6 @@ async def _post_hog(client: httpx.AsyncClient, url: str, body: bytes) -> tuple[i
 async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, progress: bool) -> dict[str, Any]:
     """One scheduling option on a fresh stack: its sentences' figures and its hogs'."""
     import httpx
-    import numpy as np
 
     from workers.config import WorkerConfig
 
@@ -215,7 +216,6 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
     from ..processes import ProcessGroup, free_ports
     from ..routing.runner import find_envoy
     from ..load.texts import embeddings_body
-    from ..load.trace import Trace
 
     workdir = out / scheduling
     (workdir / "logs").mkdir(parents=True, exist_ok=True)
@@ -225,10 +225,7 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
                                  ports=DataPlanePorts.allocate(), request_timeout_s=plan.timeout_s,
                                  envoy=find_envoy())
     hog_body = embeddings_body(plan.hog_tokens, 0, inputs=plan.hog_inputs)
-    n = plan.sentences
-    trace = Trace(np.arange(n, dtype=np.float64) / plan.rate_rps, np.full(n, SENTENCE_TOKENS, dtype=np.int64),
-                  np.zeros(n, dtype=np.int64), plan.rate_rps, n / plan.rate_rps, 0)
-    sentence_bodies = [embeddings_body(SENTENCE_TOKENS, i % 16) for i in range(n)]
+    trace, sentence_bodies = _sentences(plan)
     hogs = plan.hogs_per_worker
     limits = httpx.Limits(max_connections=hogs * plan.workers + 8, max_keepalive_connections=hogs * plan.workers + 8)
     async with ProcessGroup(report=lambda line: None) as group, \
@@ -246,18 +243,10 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
         hog_started = time.perf_counter()
         tasks = [asyncio.create_task(_post_hog(client, url, hog_body)) for url in urls for _ in range(hogs)]
         try:
-            deadline = time.monotonic() + 60
             queued = hogs * plan.hog_inputs - WorkerConfig().max_batch_size  # all but the batch computing now
-            while not all([await _received_inputs(client, url) - b >= queued for url, b in zip(urls, before)]):
-                group.check_alive()
-                failed = [t.result()[0] for t in tasks if t.done() and t.result()[0] != 200]
-                if failed:
-                    raise RuntimeError(f"a hog was answered {failed[0]} (see the worker logs)")
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the hogs were not all queued within 60 s (see the worker logs)")
-                await asyncio.sleep(0.05)
+            await _until_queued(client, urls, before, queued, tasks, group)
             _report(f"  {scheduling}: {hogs} hogs of {plan.hog_inputs} x {plan.hog_tokens} tokens queued on "
-                    f"each worker; {n} sentences at {plan.rate_rps:g}/s through Envoy")
+                    f"each worker; {plan.sentences} sentences at {plan.rate_rps:g}/s through Envoy")
             done_at_last_send = asyncio.create_task(_done_after(tasks, float(trace.send_at_s[-1])))
             outcome = await run_load(data_plane.url, trace, sentence_bodies, slo_s=TARGET_P99_S,
                                      timeout_s=plan.timeout_s, progress=progress)
@@ -268,6 +257,46 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         group.check_alive()
+    figures = _figures(scheduling, outcome, results, hogs_done_early, hog_started)
+    _report(f"    sentences p50 {ms(figures['sentence_p50_s'])} ms, p99 {ms(figures['sentence_p99_s'])} ms, "
+            f"errors {figures['sentence_errors']}; hogs {figures['hogs_ok']}/{figures['hogs']} ok in "
+            f"{figures['hog_makespan_s']} s")
+    return figures
+
+
+def _sentences(plan: HogsPlan) -> tuple[Trace, list[bytes]]:
+    """The one-sentence requests: evenly spaced at the plan's rate, each with its own text."""
+    import numpy as np
+
+    from ..load.texts import embeddings_body
+    from ..load.trace import Trace
+
+    n = plan.sentences
+    trace = Trace(np.arange(n, dtype=np.float64) / plan.rate_rps, np.full(n, SENTENCE_TOKENS, dtype=np.int64),
+                  np.zeros(n, dtype=np.int64), plan.rate_rps, n / plan.rate_rps, 0)
+    return trace, [embeddings_body(SENTENCE_TOKENS, i % 16) for i in range(n)]
+
+
+async def _until_queued(client: httpx.AsyncClient, urls: list[str], before: list[int], queued: int,
+                        tasks: list[asyncio.Task[tuple[int | None, float]]], group: ProcessGroup) -> None:
+    """Wait until every worker has received ``queued`` more inputs (the hogs wait in its queue); raise when a
+    hog was refused, a process died, or after 60 s."""
+    deadline = time.monotonic() + 60
+    while not all([await _received_inputs(client, url) - b >= queued for url, b in zip(urls, before)]):
+        group.check_alive()
+        failed = [t.result()[0] for t in tasks if t.done() and t.result()[0] != 200]
+        if failed:
+            raise RuntimeError(f"a hog was answered {failed[0]} (see the worker logs)")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the hogs were not all queued within 60 s (see the worker logs)")
+        await asyncio.sleep(0.05)
+
+
+def _figures(scheduling: str, outcome: LoadOutcome, results: list[tuple[int | None, float]], hogs_done_early: int,
+             hog_started: float) -> dict[str, Any]:
+    """One scheduling option's row: the sentences' latency and errors, the hogs' completions and makespan."""
+    import numpy as np
+
     s = outcome.histogram.summary()
     ok = [seconds for status, seconds in results if status == 200]
     figures = {
@@ -283,9 +312,6 @@ async def run_one(plan: HogsPlan, scheduling: str, out: Path, data_dir: Path, pr
         "hog_makespan_s": round(time.perf_counter() - hog_started, 2) if ok else None,
         "hog_p50_s": float(np.percentile(ok, 50)) if ok else None,
     }
-    _report(f"    sentences p50 {ms(figures['sentence_p50_s'])} ms, p99 {ms(figures['sentence_p99_s'])} ms, "
-            f"errors {figures['sentence_errors']}; hogs {len(ok)}/{len(results)} ok in "
-            f"{figures['hog_makespan_s']} s")
     return figures
 
 
