@@ -90,30 +90,8 @@ async def run_configuration(spec: Spec) -> dict[str, Any]:
         result["rss_mb_synced"] = proc.memory_info().rss / 2**20
         cache.on_set = on_set
         for round_no in range(1, spec.warmup + spec.rounds + 1):
-            controller.update(lambda s, r=round_no: reweigh(s, r, spec.change))  # off the clock
-            set_at.clear()
-            cpu0, others0 = time.process_time(), children.cpu_seconds()
-            t0 = time.monotonic()
-            await controller.publish()
-            published = time.monotonic()
-            version = controller.snapshot.version(ENDPOINT)
-            if not set_at or version in versions:
-                raise RuntimeError("publish() set no new EDS version (no weight changed?)")
-            versions.append(version)
-            await wait_for_condition(lambda: watcher.done_at is not None, watcher.done, spec.round_timeout_s,
-                                     children.problem, f"round {round_no}: every client to ACK EDS {version}")
-            others1 = children.cpu_seconds()
-            assert watcher.done_at is not None
-            wall = watcher.done_at - t0
-            cpu = watcher.done_cpu - cpu0
-            sample = {
-                "round": round_no, "warmup": round_no <= spec.warmup, "version": version,
-                "conv_ms": wall * 1000, "push_ms": (watcher.done_at - set_at[0]) * 1000,
-                "build_ms": (set_at[0] - t0) * 1000, "publish_ms": (published - t0) * 1000, "cpu_s": cpu, "cpu_pct": 100 * cpu / wall if wall > 0 else 0.0,
-                "rss_mb": proc.memory_info().rss / 2**20, "pushes": dict(watcher.pushes), "t0": t0,
-                **{f"{k}_cpu_s": others1[k] - others0[k] for k in others1 if k in others0},
-            }
-            result["rounds"].append(sample)
+            result["rounds"].append(await _round(round_no, spec, controller, watcher, children, set_at, versions,
+                                                 proc))
         result["ok"] = True
     except Exception as exc:  # reported in the table; the next configuration still runs
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -124,8 +102,45 @@ async def run_configuration(spec: Spec) -> dict[str, Any]:
         lines = children.lines()  # the fleet has stopped: its lines are all in
         shutil.rmtree(workdir, ignore_errors=True)
     result["nacks"] = dict(watcher.nacks)
-    # Bytes and receive times as the lightweight clients saw them.
-    for sample in result["rounds"]:
+    _client_figures(result["rounds"], lines)
+    result["summary"] = summarise(spec, result)
+    return result
+
+
+async def _round(round_no: int, spec: Spec, controller: Controller, watcher: Watcher, children: Children,
+                 set_at: list[float], versions: list[str], proc: psutil.Process) -> dict[str, Any]:
+    """One measured weight change: update the state (off the clock), publish, wait until every client ACKed
+    the new EDS version; its times (from the publish), CPU and memory."""
+    controller.update(lambda s, r=round_no: reweigh(s, r, spec.change))  # off the clock
+    set_at.clear()
+    cpu0, others0 = time.process_time(), children.cpu_seconds()
+    t0 = time.monotonic()
+    await controller.publish()
+    published = time.monotonic()
+    version = controller.snapshot.version(ENDPOINT)
+    if not set_at or version in versions:
+        raise RuntimeError("publish() set no new EDS version (no weight changed?)")
+    versions.append(version)
+    await wait_for_condition(lambda: watcher.done_at is not None, watcher.done, spec.round_timeout_s,
+                             children.problem, f"round {round_no}: every client to ACK EDS {version}")
+    others1 = children.cpu_seconds()
+    assert watcher.done_at is not None
+    wall = watcher.done_at - t0
+    cpu = watcher.done_cpu - cpu0
+    sample = {
+        "round": round_no, "warmup": round_no <= spec.warmup, "version": version,
+        "conv_ms": wall * 1000, "push_ms": (watcher.done_at - set_at[0]) * 1000,
+        "build_ms": (set_at[0] - t0) * 1000, "publish_ms": (published - t0) * 1000, "cpu_s": cpu, "cpu_pct": 100 * cpu / wall if wall > 0 else 0.0,
+        "rss_mb": proc.memory_info().rss / 2**20, "pushes": dict(watcher.pushes), "t0": t0,
+        **{f"{k}_cpu_s": others1[k] - others0[k] for k in others1 if k in others0},
+    }
+    return sample
+
+
+def _client_figures(rounds: list[dict[str, Any]], lines: list[dict[str, Any]]) -> None:
+    """Add to each round the bytes and receive times as the lightweight clients saw them, and their other
+    responses during it."""
+    for sample in rounds:
         eds = [line for line in lines if line["type"] == "eds" and line["v"] == sample["version"]]
         if eds:
             sample["eds_push_bytes"] = statistics.median(line["b"] for line in eds)
@@ -133,12 +148,10 @@ async def run_configuration(spec: Spec) -> dict[str, Any]:
             sample["client_recv_max_ms"] = (max(line["t"] for line in eds) - sample["t0"]) * 1000
         others = Counter(line["type"] for line in lines
                          if line["type"] != "eds" and line["t"] >= sample["t0"]
-                         and (sample["round"] == len(result["rounds"])
-                              or line["t"] < result["rounds"][sample["round"]]["t0"]))
+                         and (sample["round"] == len(rounds)
+                              or line["t"] < rounds[sample["round"]]["t0"]))
         if others:
             sample["other_responses"] = dict(others)
-    result["summary"] = summarise(spec, result)
-    return result
 
 
 def summarise(spec: Spec, result: dict[str, Any]) -> dict[str, Any]:
