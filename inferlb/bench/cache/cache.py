@@ -96,7 +96,7 @@ def _report(line: str) -> None:
 def main(args: argparse.Namespace) -> int:
     from .cache_live import run_cache
     from ..routing.run_command import run_on_uvloop
-    from ..routing.runner import find_envoy
+    from ..routing.runner import missing_envoy
 
     plan = plan_from(args)
     problems = plan.problems()
@@ -105,10 +105,7 @@ def main(args: argparse.Namespace) -> int:
     if problems:
         print(f"inferlb bench cache: {'; '.join(problems)}", file=sys.stderr)
         return 2
-    try:
-        find_envoy()
-    except RuntimeError as exc:
-        print(f"inferlb bench cache: {exc}", file=sys.stderr)
+    if missing_envoy("inferlb bench cache"):
         return 1
     out = (args.out or Path("bench-results") / "cache").resolve()
     _report(f"cache: {plan.workers} simulated workers, {plan.repeat_rate:.0%} repeats, loads "

@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     from ..processes import ComponentDied
     from .rollout_live import RolloutRunner
     from ..routing.run_command import run_on_uvloop
-    from ..routing.runner import find_envoy
+    from ..routing.runner import missing_envoy
 
     plan = RolloutPlan(canary_percent=args.canary_percent, requests=args.requests, concurrency=args.concurrency,
                        switches=args.switches, workers=args.workers)
@@ -80,10 +80,7 @@ def main(args: argparse.Namespace) -> int:
     if problems:
         print(f"inferlb bench rollout: {'; '.join(problems)}", file=sys.stderr)
         return 2
-    try:
-        find_envoy()
-    except RuntimeError as exc:
-        print(f"inferlb bench rollout: {exc}", file=sys.stderr)
+    if missing_envoy("inferlb bench rollout"):
         return 1
     out = (args.out or Path("bench-results") / "rollout").resolve()
     _report(f"rollout: {plan.workers} simulated workers serving {plan.stable} and {plan.canary}; logs in {out}")

@@ -109,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
     from .fair_live import capacity_tps, fair_scenario, run_fair, tenant_rates
     from .fair_report import render
     from ..routing.run_command import run_on_uvloop
-    from ..routing.runner import find_envoy
+    from ..routing.runner import missing_envoy
 
     try:
         plan = plan_from_args(args)
@@ -124,10 +124,7 @@ def main(args: argparse.Namespace) -> int:
             for tenant, rps in rates.items() if rps * (plan.warmup_s + plan.duration_s) > MAX_REQUESTS]
     if over:
         return _fail(f"over {MAX_REQUESTS} requests per run for {', '.join(over)}: lower --load or --duration")
-    try:
-        find_envoy()
-    except RuntimeError as exc:
-        print(f"inferlb bench fair: {exc}", file=sys.stderr)
+    if missing_envoy("inferlb bench fair"):
         return 1
     out = (args.out or Path("bench-results") / "fair").resolve()
     _report(f"fair: weights {', '.join(f'{t} {w:g}' for t, w in zip(TENANTS, plan.weights))}; "

@@ -358,7 +358,7 @@ def main(args: argparse.Namespace) -> int:
     from ..stack.dataplanes.launch import DataPlaneError
     from ..processes import ComponentDied
     from ..routing.run_command import run_on_uvloop
-    from ..routing.runner import find_envoy
+    from ..routing.runner import missing_envoy
 
     try:
         schedulings = parse_schedulings(args.schedulings)
@@ -368,10 +368,7 @@ def main(args: argparse.Namespace) -> int:
     problems = plan.problems(WorkerConfig().max_request_tokens)
     if problems:
         return _fail("; ".join(problems))
-    try:
-        find_envoy()
-    except RuntimeError as exc:
-        print(f"inferlb bench hogs: {exc}", file=sys.stderr)
+    if missing_envoy("inferlb bench hogs"):
         return 1
     data_dir = default_data_dir()
     out = (args.out or Path("bench-results") / "hogs").resolve()

@@ -118,7 +118,7 @@ def main(args: argparse.Namespace) -> int:
     from .overload_live import OverloadRunner
     from .overload_report import render
     from ..routing.run_command import run_on_uvloop
-    from ..routing.runner import find_envoy
+    from ..routing.runner import missing_envoy
     from ..load.scenario import ScenarioError
 
     try:
@@ -130,10 +130,7 @@ def main(args: argparse.Namespace) -> int:
     if not scenario.shed_slo_ms > 0:
         return _fail("the scenario's shed_slo_ms is 0: the shedding run would be the baseline")
     load = scenario.loads[0]
-    try:
-        find_envoy()
-    except RuntimeError as exc:
-        print(f"inferlb bench overload: {exc}", file=sys.stderr)
+    if missing_envoy("inferlb bench overload"):
         return 1
     out = (args.out or Path("bench-results") / f"{scenario.name}-overload").resolve()
     print(f"overload: scenario {scenario.name}, {load:.0%} of capacity, two {scenario.warmup_s:g}+"

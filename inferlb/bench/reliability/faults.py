@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     from .faults_live import FaultRunner
     from ..processes import ComponentDied
     from ..routing.run_command import run_on_uvloop
-    from ..routing.runner import find_envoy
+    from ..routing.runner import missing_envoy
 
     plan = FaultPlan(faults=tuple(args.fault or FAULTS), load=args.load, workers=args.workers,
                      baseline=args.baseline, tail=args.tail, react_timeout_s=args.react_timeout)
@@ -87,10 +87,7 @@ def main(args: argparse.Namespace) -> int:
     if problems:
         print(f"inferlb bench faults: {'; '.join(problems)}", file=sys.stderr)
         return 2
-    try:
-        find_envoy()
-    except RuntimeError as exc:
-        print(f"inferlb bench faults: {exc}", file=sys.stderr)
+    if missing_envoy("inferlb bench faults"):
         return 1
     out = (args.out or Path("bench-results") / "faults").resolve()
     _report(f"faults: {', '.join(plan.faults)}; {plan.workers} simulated workers at {plan.load:.0%}; logs in {out}")

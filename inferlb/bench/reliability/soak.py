@@ -76,7 +76,7 @@ def _report(line: str) -> None:
 def main(args: argparse.Namespace) -> int:
     from ..processes import ComponentDied
     from ..routing.run_command import run_on_uvloop
-    from ..routing.runner import find_envoy
+    from ..routing.runner import missing_envoy
     from .soak_live import SoakRunner
 
     plan = SoakPlan(duration_s=args.duration, load=args.load, workers=args.workers, every_s=args.every,
@@ -85,10 +85,7 @@ def main(args: argparse.Namespace) -> int:
     if problems:
         print(f"inferlb bench soak: {'; '.join(problems)}", file=sys.stderr)
         return 2
-    try:
-        find_envoy()
-    except RuntimeError as exc:
-        print(f"inferlb bench soak: {exc}", file=sys.stderr)
+    if missing_envoy("inferlb bench soak"):
         return 1
     out = (args.out or Path("bench-results") / "soak").resolve()
     _report(f"soak: {plan.workers} simulated workers at {plan.load:.0%} for {plan.duration_s:g} s; logs in {out}")

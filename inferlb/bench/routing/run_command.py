@@ -57,7 +57,7 @@ def _fail(message: str) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .runner import (ScenarioRunner, estimate_seconds, find_envoy, plan_configurations, plan_rounds,
+    from .runner import (ScenarioRunner, estimate_seconds, missing_envoy, plan_configurations, plan_rounds,
                          unknown_configurations)
     from ..load.scenario import ScenarioError, load_scenario
 
@@ -92,10 +92,7 @@ def main(args: argparse.Namespace) -> int:
         return _fail("no configuration to run")
     plans = plan_rounds(configurations, args.rounds)
     out = (args.out or Path("bench-results") / scenario.name).resolve()
-    try:
-        find_envoy()
-    except RuntimeError as exc:
-        print(f"inferlb bench run: {exc}", file=sys.stderr)
+    if missing_envoy("inferlb bench run"):
         return 1
     minutes = estimate_seconds(scenario, plans) / 60
     print(f"scenario {scenario.name}: {len(configurations)} configuration(s)"

@@ -160,6 +160,17 @@ def find_envoy() -> str:
     return found
 
 
+def missing_envoy(command: str) -> bool:
+    """True, once ``command`` has said why on stderr, when there is no envoy binary: a live bench says so
+    before it starts anything."""
+    try:
+        find_envoy()
+    except RuntimeError as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 class HostCpu:
     """Host-wide CPU use (0..1 of every core) between ``start`` and ``stop``, and the CPU seconds of the data
     plane's and the fleet's processes: together with the load generator's, what share of the host the bench
