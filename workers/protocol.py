@@ -7,6 +7,7 @@ users debug through it: a vague 400 from behind a proxy costs hours.
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
@@ -47,14 +48,22 @@ def error_body(message: str, *, type: str, code: str | None, param: str | None =
 
 @dataclass(frozen=True)
 class EmbeddingsRequest:
-    """A validated request: either texts or token-id arrays, never both."""
+    """A request whose fields and shape are valid: either texts or token-id arrays, never both.
+
+    From :func:`parse_request_shape` the arrays are the client's lists, their
+    ids not yet read (:func:`check_token_ids` does that, on the ids a request
+    keeps); from :func:`parse_embeddings_request` every id has been checked.
+    ``single_array`` says the input was one bare token array (errors then name
+    ``input[j]`` rather than ``input[i][j]``).
+    """
 
     model: str | None
     texts: tuple[str, ...] | None
-    token_ids: tuple[tuple[int, ...], ...] | None
+    token_ids: tuple[Sequence[int], ...] | None
     encoding_format: EncodingFormat
     truncate: bool
     dimensions: int | None
+    single_array: bool = False
 
     @property
     def count(self) -> int:
@@ -72,19 +81,46 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _token_array(value: list[Any], where: str, vocab_size: int) -> tuple[int, ...]:
-    if not value:
-        raise _bad(f"{where} is an empty token array", "input")
-    for j, tok in enumerate(value):
-        if not _is_int(tok):
-            raise _bad(f"{where}[{j}] must be an integer token id, got {type(tok).__name__}", "input")
-        if not 0 <= tok < vocab_size:
-            raise _bad(f"{where}[{j}] = {tok} is not a token id of this model (0..{vocab_size - 1})", "input")
-    return tuple(value)
+def check_token_ids(arrays: Sequence[Sequence[int]], vocab_size: int, *, single_array: bool = False) -> None:
+    """Raise a 400 naming the first id that is not an integer token id of the vocabulary.
+
+    The one per-token pass of a request, so it runs only after every cheap
+    bound has passed, on the ids the request keeps. The common case (all
+    valid) is checked by C-level builtins; the Python loop that names the
+    culprit runs only when that check fails.
+    """
+    for i, ids in enumerate(arrays):
+        if not ids or (set(map(type, ids)) <= {int} and min(ids) >= 0 and max(ids) < vocab_size):
+            continue
+        where = "input" if single_array else f"input[{i}]"
+        for j, tok in enumerate(ids):
+            if not _is_int(tok):
+                raise _bad(f"{where}[{j}] must be an integer token id, got {type(tok).__name__}", "input")
+            if not 0 <= tok < vocab_size:
+                raise _bad(f"{where}[{j}] = {tok} is not a token id of this model (0..{vocab_size - 1})", "input")
 
 
 def parse_embeddings_request(body: bytes, *, max_inputs: int, vocab_size: int) -> EmbeddingsRequest:
-    """Validate a raw request body; raise :class:`APIError` (400) saying what is wrong."""
+    """Validate a raw request body completely, every token id included; raise :class:`APIError` (400).
+
+    The worker itself parses in stages (:func:`parse_request_shape`, its
+    limits, then :func:`check_token_ids` on what it keeps); this is the whole
+    check in one call, for callers that hold a body of known size.
+    """
+    request = parse_request_shape(body, max_inputs=max_inputs)
+    if request.token_ids is None:
+        return request
+    check_token_ids(request.token_ids, vocab_size, single_array=request.single_array)
+    return dataclasses.replace(request, token_ids=tuple(tuple(ids) for ids in request.token_ids))
+
+
+def parse_request_shape(body: bytes, *, max_inputs: int) -> EmbeddingsRequest:
+    """Check a body's fields and the shape of its input, at a cost in the number of inputs, never of tokens.
+
+    Token arrays are checked to be non-empty lists; their ids are left to
+    :func:`check_token_ids`, so that a request over the token limit is refused
+    from its arrays' lengths before any id is read.
+    """
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -115,7 +151,8 @@ def parse_embeddings_request(body: bytes, *, max_inputs: int, vocab_size: int) -
 
     raw = doc["input"]
     texts: tuple[str, ...] | None = None
-    token_ids: tuple[tuple[int, ...], ...] | None = None
+    token_ids: tuple[list[Any], ...] | None = None
+    single_array = False
     if isinstance(raw, str):
         texts = (raw,)
     elif isinstance(raw, list):
@@ -124,20 +161,20 @@ def parse_embeddings_request(body: bytes, *, max_inputs: int, vocab_size: int) -
         if len(raw) > max_inputs:
             raise _bad(f"'input' has {len(raw)} items, more than the limit of {max_inputs}", "input", "too_many_inputs")
         first = raw[0]
-        if isinstance(first, str):
+        if _is_int(first):
+            token_ids, single_array = (raw,), True
+        elif isinstance(first, str):
             for i, item in enumerate(raw):
                 if not isinstance(item, str):
                     raise _bad(f"input[{i}] must be a string like input[0], got {type(item).__name__}", "input")
             texts = tuple(raw)
-        elif _is_int(first):
-            token_ids = (_token_array(raw, "input", vocab_size),)
         elif isinstance(first, list):
-            arrays = []
             for i, item in enumerate(raw):
                 if not isinstance(item, list):
                     raise _bad(f"input[{i}] must be a token array like input[0], got {type(item).__name__}", "input")
-                arrays.append(_token_array(item, f"input[{i}]", vocab_size))
-            token_ids = tuple(arrays)
+                if not item:
+                    raise _bad(f"input[{i}] is an empty token array", "input")
+            token_ids = tuple(raw)
         else:
             raise _bad(
                 "'input' must be a string, a list of strings, a token array or a list of token arrays; "
@@ -150,7 +187,7 @@ def parse_embeddings_request(body: bytes, *, max_inputs: int, vocab_size: int) -
             f"got {type(raw).__name__}",
             "input",
         )
-    return EmbeddingsRequest(model, texts, token_ids, encoding_format, truncate, dimensions)
+    return EmbeddingsRequest(model, texts, token_ids, encoding_format, truncate, dimensions, single_array)
 
 
 def embeddings_response(

@@ -28,14 +28,18 @@ from .input_cache import InputCache
 from .metrics import WorkerMetrics
 from .model_batchers import ModelBatchers
 from .model_catalog import ModelInfo, describe, resolve_model
-from .protocol import APIError, EmbeddingsRequest, embeddings_response, parse_embeddings_request
+from .protocol import APIError, EmbeddingsRequest, check_token_ids, embeddings_response, parse_request_shape
 from .queue_order import Scheduling
 from .request_options import RequestOptions
 from .tokenization import truncated_at
 
 log = logging.getLogger("inferlb.worker")
 
-# Serialising or tokenising more than this much goes to a thread, off the event loop.
+# Parsing, serialising or tokenising more than this much goes to a thread, off the event loop. A body of
+# 64 KiB holds at most 32k token ids (each takes a digit and a separator) or 64k characters: parsed in
+# about a millisecond. A larger one (up to max_body_bytes, 4 MiB: some 2M ids) takes tens of milliseconds
+# and must not hold up probes and small requests.
+INLINE_BODY_BYTES = 64 * 1024
 INLINE_TEXT_CHARS = 8192
 INLINE_RESPONSE_ROWS = 32
 CLIENT_CLOSED = 499  # nginx's status for a request whose client left before the answer
@@ -220,18 +224,13 @@ class EmbeddingService:
             if not self.ready:
                 raise APIError(503, f"worker is not ready: {self.not_ready_reason}", type="server_error",
                                code="not_ready")
-            request = parse_embeddings_request(body, max_inputs=self.config.max_inputs, vocab_size=self.vocab_size)
+            request = await self._parse(body)
             model = self._model_for(request.model, options.model)
             if request.dimensions is not None and request.dimensions != model.dimensions:
                 raise APIError(400, f"'dimensions' must be {model.dimensions} for {model.name}, "
                                f"got {request.dimensions}", code="invalid_value", param="dimensions")
             inputs = await self._token_ids(request, model)
             tokens = sum(len(ids) for ids in inputs)
-            limit = self.config.max_request_tokens
-            if tokens > limit:
-                raise APIError(400, f"the request has {tokens} tokens, over this worker's limit of {limit} per "
-                               f"request; split its inputs into requests of at most {limit} tokens",
-                               code="too_many_tokens", param="input")
             try:
                 result = await self.embedder.embed(inputs, model=model.name, priority=options.priority,
                                                    deadline=options.deadline, policy=options.cache)
@@ -291,15 +290,30 @@ class EmbeddingService:
             vectors, model=model.name, prompt_tokens=tokens, encoding_format=request.encoding_format
         )
 
+    async def _parse(self, body: bytes) -> EmbeddingsRequest:
+        """The body's fields and input shape (the number of inputs bounded first); in a thread when large."""
+        if len(body) > INLINE_BODY_BYTES:
+            return await asyncio.to_thread(parse_request_shape, body, max_inputs=self.config.max_inputs)
+        return parse_request_shape(body, max_inputs=self.config.max_inputs)
+
     async def _token_ids(self, request: EmbeddingsRequest, model: ModelInfo) -> list[Sequence[int]]:
+        """The inputs' token ids, truncated to the model's limit and within the request's token budget.
+
+        Token arrays are bounded by their lengths alone (the model's limit, then
+        ``max_request_tokens``) before a single id is read; only the ids kept
+        are then checked, so a request costs per-token work of at most the
+        budget however large its arrays. Texts are bounded once tokenised.
+        """
         limit = model.max_tokens
         if request.token_ids is not None:
-            ids = list(request.token_ids)
-            for i, arr in enumerate(ids):
-                if len(arr) > limit:
-                    if not request.truncate:
+            arrays = request.token_ids
+            if not request.truncate:
+                for i, arr in enumerate(arrays):
+                    if len(arr) > limit:
                         raise self._too_long(model, i, len(arr))
-                    ids[i] = arr[:limit]
+            self._check_budget(sum(min(len(arr), limit) for arr in arrays))
+            ids = [arr[:limit] if len(arr) > limit else arr for arr in arrays]
+            check_token_ids(ids, self.vocab_size, single_array=request.single_array)
             return ids
         texts = list(request.texts or ())
         tokenizer = self._tokenizers[model.name]
@@ -311,7 +325,16 @@ class EmbeddingService:
             for i, enc in enumerate(encodings):
                 if enc.overflowing:
                     raise self._too_long(model, i, None)
+        self._check_budget(sum(len(enc.ids) for enc in encodings))
         return [enc.ids for enc in encodings]
+
+    def _check_budget(self, tokens: int) -> None:
+        """400 ``too_many_tokens`` for a request over ``max_request_tokens``, saying how to split it."""
+        limit = self.config.max_request_tokens
+        if tokens > limit:
+            raise APIError(400, f"the request has {tokens} tokens, over this worker's limit of {limit} per "
+                           f"request; split its inputs into requests of at most {limit} tokens",
+                           code="too_many_tokens", param="input")
 
     @staticmethod
     def _too_long(model: ModelInfo, index: int, length: int | None) -> APIError:
