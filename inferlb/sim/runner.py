@@ -136,59 +136,20 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
     ``rate_rps`` offers that rate instead of ``load * capacity`` (``load`` is then reported as the fraction).
     """
     options = options or SimOptions()
-    capacity = capacity_rps(scenario)
-    if rate_rps is None:
-        if load is None:
-            raise ValueError("give a load or a rate")
-        if run == SLOWDOWN and scenario.slowdown is None:
-            raise ValueError("the scenario has no slowdown")
-        rate_rps = load * capacity
-    else:
-        load = rate_rps / capacity
+    load, rate_rps = _load_and_rate(scenario, load, rate_rps, run)
     total_s = scenario.warmup_s + scenario.duration_s
     trace = build_trace(scenario.workload, rate_rps, total_s, scenario.seed)
     classes = trace_classes(scenario.workload.classes, trace.send_at_s.size, scenario.seed) \
         if is_mixed(scenario.workload.classes) else None
     fleet = SimFleet(scenario.fleet, scenario.workload.inputs_per_request,
                      queue_order=QueueOrder() if classes is not None else None)  # the workers' default order
-    clock = Clock()
-    rng = random.Random(_seed(scenario, configuration, load, run))
-    balancer: Balancer | None = None
-    engine_calls: list[tuple[float, Callable]] = []
-
-    def at(when: float, call: Callable) -> None:  # scheduling before the engine exists is queued
-        if engine is None:
-            engine_calls.append((when, call))
-        else:
-            engine.at(when, call)
-
-    engine: Engine | None = None
-    balancer = build_balancer(configuration, scenario, fleet, at, clock, rng, options)
-    engine = Engine(fleet, balancer, clock)
-    for when, call in engine_calls:
-        engine.at(when, call)
+    engine, balancer = _engine(scenario, configuration, fleet, random.Random(_seed(scenario, configuration, load, run)),
+                               options)
     if classes is not None and isinstance(balancer, ExtProcBalancer):
         balancer.priorities = classes.tolist()
     engine.at(LOAD_SAMPLE_PERIOD_S, lambda now: (fleet.sample_load(now), now + LOAD_SAMPLE_PERIOD_S)[1])
     if run == SLOWDOWN and scenario.slowdown is not None:
-        slow = scenario.slowdown
-        worker = fleet.workers[slow.worker]
-
-        normal = worker.speed
-
-        def slow_down(now: float) -> None:
-            worker.speed = normal * slow.factor
-
-        def recover(now: float) -> None:
-            worker.speed = normal
-
-        engine.at(scenario.warmup_s + slow.at_s, slow_down)  # at_s counts from the measured window, as the bench
-        if slow.duration_s > 0:
-            engine.at(scenario.warmup_s + slow.at_s + slow.duration_s, recover)
-        if isinstance(balancer, Oracle):  # clairvoyant about the speed schedule too
-            balancer.expect_slowdown(slow.worker, slow.factor, scenario.warmup_s + slow.at_s,
-                                     scenario.warmup_s + slow.at_s + slow.duration_s if slow.duration_s > 0
-                                     else math.inf)
+        _slow_down(scenario, fleet, engine, balancer)
     until = total_s + scenario.request_timeout_s
     cpu = time.process_time()
     outcome = engine.run(trace.send_at_s, trace.tokens, until, progress, priorities=classes)
@@ -196,6 +157,63 @@ def simulate(scenario: Scenario, configuration: str, load: float | None = None, 
     result, raw = _result(scenario, configuration, load, rate_rps, run, trace, outcome, balancer, classes)
     raw["cpu_s"] = cpu  # not in the RunResult: it would make equal runs differ
     return result, raw
+
+
+def _load_and_rate(scenario: Scenario, load: float | None, rate_rps: float | None,
+                   run: str) -> tuple[float, float]:
+    """The run's load (a fraction of the fleet's capacity) and its rate, from whichever was given."""
+    capacity = capacity_rps(scenario)
+    if rate_rps is None:
+        if load is None:
+            raise ValueError("give a load or a rate")
+        if run == SLOWDOWN and scenario.slowdown is None:
+            raise ValueError("the scenario has no slowdown")
+        return load, load * capacity
+    return rate_rps / capacity, rate_rps
+
+
+def _engine(scenario: Scenario, configuration: str, fleet: SimFleet, rng: random.Random,
+            options: SimOptions) -> tuple[Engine, Balancer]:
+    """The configuration's balancer and the engine that runs it. A balancer schedules its periodic work
+    while it is built, before the engine exists: those calls are queued, then handed to the engine in order."""
+    clock = Clock()
+    engine_calls: list[tuple[float, Callable]] = []
+    engine: Engine | None = None
+
+    def at(when: float, call: Callable) -> None:  # scheduling before the engine exists is queued
+        if engine is None:
+            engine_calls.append((when, call))
+        else:
+            engine.at(when, call)
+
+    balancer = build_balancer(configuration, scenario, fleet, at, clock, rng, options)
+    engine = Engine(fleet, balancer, clock)
+    for when, call in engine_calls:
+        engine.at(when, call)
+    return engine, balancer
+
+
+def _slow_down(scenario: Scenario, fleet: SimFleet, engine: Engine, balancer: Balancer) -> None:
+    """The slowdown run: one worker slows by the scenario's factor at its time (from the measured window, as in
+    the bench), and recovers after its duration if it has one; an oracle knows the schedule in advance."""
+    slow = scenario.slowdown
+    assert slow is not None
+    worker = fleet.workers[slow.worker]
+    normal = worker.speed
+
+    def slow_down(now: float) -> None:
+        worker.speed = normal * slow.factor
+
+    def recover(now: float) -> None:
+        worker.speed = normal
+
+    engine.at(scenario.warmup_s + slow.at_s, slow_down)
+    if slow.duration_s > 0:
+        engine.at(scenario.warmup_s + slow.at_s + slow.duration_s, recover)
+    if isinstance(balancer, Oracle):  # clairvoyant about the speed schedule too
+        balancer.expect_slowdown(slow.worker, slow.factor, scenario.warmup_s + slow.at_s,
+                                 scenario.warmup_s + slow.at_s + slow.duration_s if slow.duration_s > 0
+                                 else math.inf)
 
 
 def overhead_s(scenario: Scenario, configuration: str) -> float:
