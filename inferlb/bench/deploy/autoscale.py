@@ -120,6 +120,7 @@ async def sample_pool(client: httpx.AsyncClient, admin: str, started: float, sam
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One load step through a fresh ``inferlb up --autoscale``: the report of its requests and its pool."""
     capacity = 1000.0 / args.sim_fixed_ms
     phases = [Phase("low", 0.0, args.low_s, args.low),
               Phase("high", args.low_s, args.low_s + args.high_s, args.high),
@@ -147,48 +148,61 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         except (ComponentDied, RuntimeError) as exc:
             raise RuntimeError(f"{exc}; the stack's logs: {(data_dir / 'inferlb-up.log').read_text()[-2000:]}")
         progress("stack up; load starts")
-        requests: list[Request] = []
-        samples: list[Sample] = []
-        stop = asyncio.Event()
-        started = time.monotonic()
-        sampler = asyncio.create_task(sample_pool(client, admin, started, samples, stop))
-
-        async def one(at: float) -> None:
-            await asyncio.sleep(max(0.0, started + at - time.monotonic()))
-            t0 = time.monotonic()
-            try:
-                outcome = str((await client.post(url, content=body,
-                                                 headers=HEADERS)).status_code)
-            except httpx.HTTPError as exc:
-                outcome = type(exc).__name__
-            requests.append(Request(at, time.monotonic() - t0, outcome == "200", outcome))
-
-        async def report_progress() -> None:
-            while not stop.is_set():
-                await asyncio.sleep(10.0)
-                last = samples[-1] if samples else None
-                progress(f"  t={time.monotonic() - started:5.0f}s  sent {len(requests)}  failed "
-                         f"{sum(not r.ok for r in requests)}  workers {last and last.workers}  "
-                         f"desired {last and last.desired}")
-
-        reporter = asyncio.create_task(report_progress())
-        try:
-            await asyncio.gather(*(one(float(at)) for at in sends))
-            # the pool may still be shrinking: sample until it is back at MIN, within the after phase's length
-            deadline = time.monotonic() + args.after_s
-            while time.monotonic() < deadline and (not samples or samples[-1].workers > 1):
-                await asyncio.sleep(SAMPLE_EVERY_S)
-            group.check_alive()
-        finally:
-            stop.set()
-            reporter.cancel()
-            await asyncio.gather(sampler, reporter, return_exceptions=True)
+        requests, samples = await _drive(client, url, body, sends, admin, group, args.after_s)
         progress("load done; stopping the stack")
     report = summarise(phases, sorted(requests, key=lambda r: r.sent_s), samples, args.slo_ms / 1000, rates, 1)
     if report["failed"]:
         progress(f"requests failed: the stack's data dir and logs are kept in {data_dir}")
     else:
         shutil.rmtree(data_dir, ignore_errors=True)
+    return _document(args, capacity, report)
+
+
+async def _drive(client: httpx.AsyncClient, url: str, body: bytes, sends: np.ndarray, admin: str,
+                 group: ProcessGroup, after_s: float) -> tuple[list[Request], list[Sample]]:
+    """Send each request at its time (open loop) while sampling the pool, with a progress line every 10 s;
+    then sample on until the pool is back at one worker, for ``after_s`` at most."""
+    requests: list[Request] = []
+    samples: list[Sample] = []
+    stop = asyncio.Event()
+    started = time.monotonic()
+    sampler = asyncio.create_task(sample_pool(client, admin, started, samples, stop))
+
+    async def one(at: float) -> None:
+        await asyncio.sleep(max(0.0, started + at - time.monotonic()))
+        t0 = time.monotonic()
+        try:
+            outcome = str((await client.post(url, content=body,
+                                             headers=HEADERS)).status_code)
+        except httpx.HTTPError as exc:
+            outcome = type(exc).__name__
+        requests.append(Request(at, time.monotonic() - t0, outcome == "200", outcome))
+
+    async def report_progress() -> None:
+        while not stop.is_set():
+            await asyncio.sleep(10.0)
+            last = samples[-1] if samples else None
+            progress(f"  t={time.monotonic() - started:5.0f}s  sent {len(requests)}  failed "
+                     f"{sum(not r.ok for r in requests)}  workers {last and last.workers}  "
+                     f"desired {last and last.desired}")
+
+    reporter = asyncio.create_task(report_progress())
+    try:
+        await asyncio.gather(*(one(float(at)) for at in sends))
+        # the pool may still be shrinking: sample until it is back at MIN, within the after phase's length
+        deadline = time.monotonic() + after_s
+        while time.monotonic() < deadline and (not samples or samples[-1].workers > 1):
+            await asyncio.sleep(SAMPLE_EVERY_S)
+        group.check_alive()
+    finally:
+        stop.set()
+        reporter.cancel()
+        await asyncio.gather(sampler, reporter, return_exceptions=True)
+    return requests, samples
+
+
+def _document(args: argparse.Namespace, capacity: float, report: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document: the command, the settings of the run and its report."""
     return {"benchmark": "autoscale", "date": time.strftime("%Y-%m-%d"),
             "command": "inferlb bench autoscale " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else
             "inferlb bench autoscale",
