@@ -250,76 +250,103 @@ class CacheRunner(ScenarioRunner):
 async def run_cache(plan: CachePlan, out: Path, report: Report) -> dict[str, Any]:
     """Both stacks up, the series in each, then every rate off and on back to back until both modes have
     missed the SLO; a mode that fails is recorded and the other goes on."""
-    from ..stack.dataplanes.launch import DataPlaneError
-    from ..processes import ComponentDied
-
-    failed = (DataPlaneError, ComponentDied, RuntimeError, TimeoutError, httpx.HTTPError)
     scenario = cache_scenario(plan)
     capacity = theoretical_capacity_rps(scenario)
     sweep = await asyncio.to_thread(build_sweep, plan, scenario, capacity)
     runners = [CacheRunner(plan, out / f"cache-{mode}", cache=mode == "on", report=report) for mode in ("off", "on")]
-    modes: dict[str, Any] = {r.mode: {"cache": r.cache, "ext_proc_cache_max_bytes": plan.cache_max_bytes if r.cache
-                                      else 0, "hit_series": {"requests": 0, "hits": 0}, "sweep": [], "refine": []}
-                             for r in runners}
-    failures: list[dict[str, str]] = []
-
-    def fail(runner: CacheRunner, exc: BaseException) -> None:
-        report(f"  FAILED: cache {runner.mode}: {exc}")
-        failures.append({"mode": runner.mode, "error": str(exc)})
-
-    async def done(runner: CacheRunner, failed: bool = False) -> None:
-        active.remove(runner)
-        if failed or not plan.refine_steps:
-            await runner.stop()  # its sweep is over: the host is the other mode's
-        else:
-            swept.append(runner)  # its stack waits for the refinement, idle
-
-    active: list[CacheRunner] = []
-    swept: list[CacheRunner] = []  # stacks kept up for the refinement
+    run = _CacheRun(plan, scenario, capacity, runners, report)
     async with httpx.AsyncClient(timeout=10.0, trust_env=False) as client, contextlib.AsyncExitStack() as stack:
-        for index, runner in enumerate(runners, 1):
+        await run.start(client, stack)
+        await run.sweep(client, sweep)
+        await run.refine(client)
+    return {"capacity_rps": round(capacity, 2), "capacity_source": "the simulated workers' cost model",
+            "plan": dataclasses.asdict(plan), **run.modes, "failures": run.failures}
+
+
+class _CacheRun:
+    """One ``run_cache``'s state and steps: each mode's figures and failures, the stacks still sweeping
+    (``active``) and those kept up, idle, for the refinement (``swept``)."""
+
+    def __init__(self, plan: CachePlan, scenario: Scenario, capacity: float, runners: list[CacheRunner],
+                 report: Report) -> None:
+        from ..processes import ComponentDied
+        from ..stack.dataplanes.launch import DataPlaneError
+
+        self.errors = (DataPlaneError, ComponentDied, RuntimeError, TimeoutError, httpx.HTTPError)  # a mode's end
+        self.plan, self.scenario, self.capacity, self.runners, self.report = plan, scenario, capacity, runners, report
+        self.modes: dict[str, Any] = {
+            r.mode: {"cache": r.cache, "ext_proc_cache_max_bytes": plan.cache_max_bytes if r.cache else 0,
+                     "hit_series": {"requests": 0, "hits": 0}, "sweep": [], "refine": []} for r in runners}
+        self.failures: list[dict[str, str]] = []
+        self.active: list[CacheRunner] = []
+        self.swept: list[CacheRunner] = []  # stacks kept up for the refinement
+
+    def fail(self, runner: CacheRunner, exc: BaseException) -> None:
+        self.report(f"  FAILED: cache {runner.mode}: {exc}")
+        self.failures.append({"mode": runner.mode, "error": str(exc)})
+
+    async def done(self, runner: CacheRunner, failed: bool = False) -> None:
+        """``runner``'s sweep is over: its stack stops (the host is the other mode's), or waits for the
+        refinement."""
+        self.active.remove(runner)
+        if failed or not self.plan.refine_steps:
+            await runner.stop()
+        else:
+            self.swept.append(runner)
+
+    async def start(self, client: httpx.AsyncClient, stack: contextlib.AsyncExitStack) -> None:
+        """Each mode's fresh stack and its series of repeats (the hit rate); stopped on the way out."""
+        for index, runner in enumerate(self.runners, 1):
             stack.push_async_callback(runner.stop)  # also on errors and interrupts
-            report(f"[{index}/2] cache {runner.mode}: a fresh stack")
+            self.report(f"[{index}/2] cache {runner.mode}: a fresh stack")
             try:
-                modes[runner.mode]["hit_series"] = await runner.start(client)
-                active.append(runner)
-            except failed as exc:
-                fail(runner, exc)
+                self.modes[runner.mode]["hit_series"] = await runner.start(client)
+                self.active.append(runner)
+            except self.errors as exc:
+                self.fail(runner, exc)
                 await runner.stop()
-        report("the sweep: each rate off and on back to back")
+
+    async def sweep(self, client: httpx.AsyncClient, sweep: Sweep) -> None:
+        """Each rate in each active mode, in alternating order, until every mode has missed the SLO."""
+        self.report("the sweep: each rate off and on back to back")
         for i, (load, rps, trace, bodies) in enumerate(sweep):
-            if not active:
+            if not self.active:
                 break
-            for runner in (list(active) if i % 2 == 0 else active[::-1]):  # done() shrinks active
+            for runner in (list(self.active) if i % 2 == 0 else self.active[::-1]):  # done() shrinks active
                 try:
                     point = await runner.measure(client, load, rps, trace, bodies)
-                except failed as exc:
-                    fail(runner, exc)
-                    await done(runner, failed=True)
+                except self.errors as exc:
+                    self.fail(runner, exc)
+                    await self.done(runner, failed=True)
                     continue
-                modes[runner.mode]["sweep"].append(point)
-                if not meets(point, plan.slo_s):
-                    await done(runner)
-        brackets = {r.mode: b for r in swept if (b := bracket(modes[r.mode]["sweep"], plan.slo_s)) is not None}
-        if brackets:
-            report(f"the refinement, {plan.refine_duration_s:g} s per rate: each mode's last rate met and first "
-                   f"missed measured again, then its crossing bisected {plan.refine_steps} times")
-            by_mode = {r.mode: r for r in swept}
+                self.modes[runner.mode]["sweep"].append(point)
+                if not meets(point, self.plan.slo_s):
+                    await self.done(runner)
 
-            def measurer(runner: CacheRunner) -> Measure:
-                async def measure(rps: float, salt: int) -> dict[str, Any] | None:
-                    load, rps, trace, bodies = await asyncio.to_thread(refine_rate, plan, scenario, capacity, rps, salt)
-                    try:
-                        point = await runner.measure(client, load, rps, trace, bodies, refining=True)
-                    except failed as exc:
-                        fail(runner, exc)
-                        await runner.stop()
-                        return None
-                    modes[runner.mode]["refine"].append(point)
-                    return point
-                return measure
+    async def refine(self, client: httpx.AsyncClient) -> None:
+        """Each swept mode's crossing of the SLO: its last rate met and first missed again, then bisected."""
+        plan = self.plan
+        brackets = {r.mode: b for r in self.swept
+                    if (b := bracket(self.modes[r.mode]["sweep"], plan.slo_s)) is not None}
+        if not brackets:
+            return
+        self.report(f"the refinement, {plan.refine_duration_s:g} s per rate: each mode's last rate met and first "
+                    f"missed measured again, then its crossing bisected {plan.refine_steps} times")
+        by_mode = {r.mode: r for r in self.swept}
+        await search_crossings(brackets, {m: self._measurer(client, by_mode[m]) for m in brackets},
+                               plan.refine_steps, plan.slo_s, plan.load_step)
 
-            await search_crossings(brackets, {m: measurer(by_mode[m]) for m in brackets}, plan.refine_steps,
-                                   plan.slo_s, plan.load_step)
-    return {"capacity_rps": round(capacity, 2), "capacity_source": "the simulated workers' cost model",
-            "plan": dataclasses.asdict(plan), **modes, "failures": failures}
+    def _measurer(self, client: httpx.AsyncClient, runner: CacheRunner) -> Measure:
+        """One refinement point in ``runner``'s mode at a given rate; None once the mode failed."""
+        async def measure(rps: float, salt: int) -> dict[str, Any] | None:
+            load, rps, trace, bodies = await asyncio.to_thread(refine_rate, self.plan, self.scenario, self.capacity,
+                                                               rps, salt)
+            try:
+                point = await runner.measure(client, load, rps, trace, bodies, refining=True)
+            except self.errors as exc:
+                self.fail(runner, exc)
+                await runner.stop()
+                return None
+            self.modes[runner.mode]["refine"].append(point)
+            return point
+        return measure
