@@ -20,6 +20,7 @@ import platform
 import random
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -208,7 +209,6 @@ def ratios(results: Sequence[Result]) -> dict[str, float]:
 
 def main(args: argparse.Namespace) -> int:
     from workers.config import default_data_dir
-    from workers.engine import Engine
     from workers.model_store import prepare_models
     from workers.tokenization import load_tokenizer
 
@@ -238,24 +238,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"  {result.name:<42} {result.tokens_per_s:8.0f} tokens/s {result.inputs_per_s:7.1f} inputs/s"
               f"  mean batch {result.mean_batch or 0:.1f}{extra}", flush=True)
 
-    print("raw ONNX Runtime session (1 intra-op thread, no spinning):", flush=True)
-    for precision, path in (("int8", artifacts.int8), ("fp32", artifacts.fp32)):
-        engine = Engine(path, intra_op_threads=1)
-        record(raw_session(f"raw {precision} mixed, length-batched", engine, mixed_ids, batched=True))
-        record(raw_session(f"raw {precision} mixed, batch-1", engine, mixed_ids, batched=False))
-        record(raw_session(f"raw {precision} short, length-batched", engine, short_ids, batched=True))
-        del engine
-
-    print(f"HTTP worker at saturation (wrk, {args.concurrency} connections, one input per request):", flush=True)
-    with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
-        work = Path(tmp)
-        mixed = wrk_script(work, "mixed", mixed_texts, [len(s) for s in mixed_ids])
-        short = wrk_script(work, "short", short_texts, [len(s) for s in short_ids])
-        runs = (("http int8 mixed, micro-batched", mixed, ()), ("http int8 short, micro-batched", short, ()),
-                ("http int8 short, batch-1", short, ("--max-batch-size", "1")),
-                ("http fp32 mixed, micro-batched", mixed, ("--precision", "fp32")))
-        for name, script, extra in runs:
-            record(asyncio.run(http_run(name, data_dir, work, script, args.concurrency, args.seconds, *extra)))
+    _raw_sessions(artifacts, mixed_ids, short_ids, record)
+    _http_runs(args, data_dir, (mixed_texts, mixed_ids), (short_texts, short_ids), record)
 
     checks = ratios(results)
     print("ratios:", flush=True)
@@ -268,3 +252,34 @@ def main(args: argparse.Namespace) -> int:
             "ratios": checks,
         }, indent=2))
     return 0
+
+
+def _raw_sessions(artifacts: Any, mixed_ids: list[list[int]], short_ids: list[list[int]],
+                  record: Callable[[Result], None]) -> None:
+    """ONNX Runtime alone, int8 then fp32: length-batched against batch-1 on the mixed inputs, and the short."""
+    from workers.engine import Engine
+
+    print("raw ONNX Runtime session (1 intra-op thread, no spinning):", flush=True)
+    for precision, path in (("int8", artifacts.int8), ("fp32", artifacts.fp32)):
+        engine = Engine(path, intra_op_threads=1)
+        record(raw_session(f"raw {precision} mixed, length-batched", engine, mixed_ids, batched=True))
+        record(raw_session(f"raw {precision} mixed, batch-1", engine, mixed_ids, batched=False))
+        record(raw_session(f"raw {precision} short, length-batched", engine, short_ids, batched=True))
+        del engine
+
+
+def _http_runs(args: argparse.Namespace, data_dir: Path, mixed: tuple[list[str], list[list[int]]],
+               short: tuple[list[str], list[list[int]]], record: Callable[[Result], None]) -> None:
+    """The HTTP worker saturated by wrk: micro-batched against batch-1, int8 against fp32. ``mixed`` and
+    ``short``: the texts and their token ids."""
+    print(f"HTTP worker at saturation (wrk, {args.concurrency} connections, one input per request):", flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-worker-") as tmp:
+        work = Path(tmp)
+        mixed_script = wrk_script(work, "mixed", mixed[0], [len(s) for s in mixed[1]])
+        short_script = wrk_script(work, "short", short[0], [len(s) for s in short[1]])
+        runs = (("http int8 mixed, micro-batched", mixed_script, ()),
+                ("http int8 short, micro-batched", short_script, ()),
+                ("http int8 short, batch-1", short_script, ("--max-batch-size", "1")),
+                ("http fp32 mixed, micro-batched", mixed_script, ("--precision", "fp32")))
+        for name, script, extra in runs:
+            record(asyncio.run(http_run(name, data_dir, work, script, args.concurrency, args.seconds, *extra)))
