@@ -27,6 +27,7 @@ from .admin import AdminService, create_admin_app
 from .auth import AdminToken, TokenError, resolve_admin_token
 from .config import ControlPlaneConfig, load_config
 from .controller import Controller, initial_state
+from .host_allowlist import AllowedHosts
 from .discovery.service import start_discovery, stop_discovery
 from .metrics import ControlPlaneMetrics
 from .nginx.applier import NginxApplier
@@ -110,7 +111,8 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
         observer=metrics,
     )
     admin = EmbeddedServer(uvicorn.Config(
-        create_admin_app(controller, metrics, service, token, auth_reads=config.admin_auth_reads, nginx=nginx),
+        create_admin_app(controller, metrics, service, token, auth_reads=config.admin_auth_reads,
+                         allowed_hosts=AllowedHosts.of(config.admin_allowed_hosts), nginx=nginx),
         host=config.admin_address, port=config.admin_port,
         log_config=None, access_log=False, lifespan="off", **admin_tls,
     ))
@@ -128,6 +130,9 @@ async def run(config: ControlPlaneConfig, store: OperatorStore | None = None, st
         "pick_policy": controller.state.pick_policy.name, "restored_endpoints": len(stored.endpoints),
         "restored_overrides": len(stored.overrides),
         "state_db": store.location if store is not None else None,
+        # Said at every start: reads without the token are a choice (admin_auth_reads), not an accident.
+        "admin_reads": "token required" if config.admin_auth_reads else "open to loopback clients",
+        "admin_allowed_hosts": ["localhost", "IP addresses", *config.admin_allowed_hosts],
     })
     # A provider ends only on what retrying cannot fix (e.g. an unreadable kubeconfig): stop, exit 1.
     failed = await stopped_or_failed(stop, [*tasks, *discovery])

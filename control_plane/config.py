@@ -27,6 +27,7 @@ from inferlb_runtime.tls import all_or_none
 from inferlb_runtime.tracing import TracingConfig
 
 from .auth import is_loopback
+from .host_allowlist import check_allowed_host
 from .autoscale import AutoscaleSettings
 from .model import DataPlaneSettings, EnvoyTracing, ExtProcSettings
 from .nginx.config import NginxConfig
@@ -263,8 +264,14 @@ class ControlPlaneConfig(BaseSettings):
     data_dir: Path = Field(default_factory=lambda: Path(os.environ.get("INFERLB_DATA_DIR", ".inferlb")))
     # The admin API's bearer token; INFERLB_ADMIN_TOKEN beats it; neither: <data_dir>/admin-token.
     admin_token: SecretStr | None = None
-    # Require the token for reads (GET /v1/...) too, not only for mutations.
+    # Reads (GET /v1/..., the dashboard's data) from loopback clients are open without the token unless this
+    # is set (the default keeps `inferlb status`, the dashboard's feed and local scripts working); from any
+    # other address, and for tenant data (/v1/api-keys, /v1/usage), they always need it.
     admin_auth_reads: bool = False
+    # Host names the admin API answers besides localhost and IP addresses (a Service's DNS name, a public
+    # name; '*' for any); any other Host gets 400 host_not_allowed (DNS rebinding). Comma-separated in the
+    # environment (INFERLB_CP_ADMIN_ALLOWED_HOSTS).
+    admin_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # DELETE /v1/endpoints/{id}: the longest a deregistered endpoint drains before it is removed.
     deregistration_drain_s: float = Field(10.0, ge=0, le=3600)
     # Discovery (control_plane/discovery). DNS: host:port each (comma-separated in the environment);
@@ -342,7 +349,12 @@ class ControlPlaneConfig(BaseSettings):
                 raise ValueError(f"kubernetes_service {value!r} is not namespace/name")
         return value
 
-    @field_validator("endpoints", "xds_allowed_node_clusters", mode="before")
+    @field_validator("admin_allowed_hosts")
+    @classmethod
+    def _valid_hosts(cls, value: list[str]) -> list[str]:
+        return [check_allowed_host(entry) for entry in value]
+
+    @field_validator("endpoints", "xds_allowed_node_clusters", "admin_allowed_hosts", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -552,7 +552,7 @@ def test_a_failing_store_answers_503_and_changes_nothing(tmp_path: Path) -> None
             before = controller.state
             policy_before = controller.policy
             transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 12345))
-            async with httpx.AsyncClient(transport=transport, base_url="http://admin") as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
                 for method, path, body in [
                     ("PUT", "/v1/endpoints/127.0.0.1:8101/weight", {"weight": 9}),
                     ("POST", "/v1/endpoints/127.0.0.1:8101/drain", None),

@@ -197,7 +197,7 @@ def test_a_failing_store_answers_503_and_the_rollouts_stay(tmp_path: Path) -> No
                                AdminToken("t" * 40, "config"))
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 12345))
         try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://admin",
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
                                          headers={"Authorization": f"Bearer {'t' * 40}"}) as client:
                 response = await client.put(f"/v1/rollouts/{FAMILY}", params={"force": "true"},
                                             json={"versions": {FP32: 100}})

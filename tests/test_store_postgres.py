@@ -252,7 +252,7 @@ class Replica:
 
     def client(self) -> httpx.AsyncClient:
         transport = httpx.ASGITransport(app=self.app, client=("127.0.0.1", 12345))
-        return httpx.AsyncClient(transport=transport, base_url="http://admin",
+        return httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1",
                                  headers={"Authorization": f"Bearer {TOKEN}"})
 
 

@@ -16,6 +16,8 @@ from ..controller import Controller
 from ..metrics import ControlPlaneMetrics
 from ..nginx.applier import NginxApplier
 from .access import AdminAccess, TokenMiddleware
+from ..host_allowlist import AllowedHosts
+from .hosts import HostCheckMiddleware
 from .dashboard import dashboard_router
 from .errors import install_error_handlers
 from .routers.dataplane import dataplane_router
@@ -33,7 +35,9 @@ inferlb's control plane: see and override what it decides.
 Every mutation needs `Authorization: Bearer <token>` (the token is in
 `<data_dir>/admin-token` unless configured). Reads are open from loopback
 unless `admin_auth_reads` is set; `/v1/api-keys` and `/v1/usage` always need it. Changes reach every Envoy and ext_proc
-through xDS within about a second, and survive restarts.
+through xDS within about a second, and survive restarts. A `Host` other than
+localhost, an IP address or a name in `admin_allowed_hosts` gets 400
+`host_not_allowed` (DNS rebinding).
 
 Errors: `{"error": {"status", "code", "message", "detail"}}`.
 """
@@ -41,12 +45,15 @@ Errors: `{"error": {"status", "code", "message", "detail"}}`.
 
 def create_admin_app(controller: Controller, metrics: ControlPlaneMetrics, service: AdminService | None = None,
                      token: AdminToken | None = None, *, auth_reads: bool = False,
+                     allowed_hosts: AllowedHosts = AllowedHosts(),
                      nginx: NginxApplier | None = None) -> FastAPI:
     """The HTTP app. Without a ``token`` every mutation is refused (401): there is no open mode."""
     service = service or AdminService(controller)
     access = AdminAccess(token, auth_reads)
     app = FastAPI(title="inferlb control plane", version="0.1.0", description=DESCRIPTION)
     app.add_middleware(TokenMiddleware, access=access)
+    # Before the token check: a rebound name learns nothing, not even whether it needs a token.
+    app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)
     # Outermost (added after the token check): every answer, a 401 too, carries the request's id
     # (x-request-id as sent, else a fresh one), and so do the log lines written for it.
     app.add_middleware(RequestContextMiddleware, generate_id=True, echo_id=True)
