@@ -1,4 +1,4 @@
-# The two commands of the Quickstart: `make up` and `make test`.
+# The two commands of the Quickstart: `make up` and `make test`; `make test-fast` for the inner loop.
 # Both create .venv, install what they need and are quick on a second run.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -16,8 +16,12 @@ export INFERLB_DATA_DIR ?= $(CURDIR)/.inferlb
 # unpacks last owns those files, and the OTLP exporter needs opentelemetry-proto's own. So it is unpacked
 # again, last, at the version pip resolved (tests/test_tracing.py checks the installed one is complete).
 OTEL_PROTO_VERSION := import importlib.metadata as m; print(m.version('opentelemetry-proto'))
+# Every test marker registered in pyproject.toml says what a test needs beyond the venv (servers, a subprocess,
+# Envoy, the model, a Debian package...): `make test-fast` deselects them all.
+TEST_MARKERS := $(shell sed -n '/^markers = \[/,/^\]/s/^ *"\([a-z_]*\):.*/\1/p' pyproject.toml)
+FAST_TESTS := not ($(subst $(eval) , or ,$(strip $(TEST_MARKERS))))
 
-.PHONY: up test venv model native system-deps apt-install bench bench-routing soak clean help
+.PHONY: up test test-fast venv model native system-deps apt-install bench bench-routing soak clean help
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -54,9 +58,13 @@ model: $(STAMP)  ## convert the packaged weights to ONNX (fp32 + int8), cached i
 up: model  ## run the local stack
 	$(VENV)/bin/inferlb up
 
+# INFERLB_TEST_REQUIRE_ALL: a test whose tool is missing fails, naming it, instead of being skipped (tests/conftest.py).
 test: system-deps model native  ## the import contracts, then the whole test suite
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest
+	INFERLB_TEST_REQUIRE_ALL=1 $(PY) -m pytest
+
+test-fast: $(STAMP)  ## the unit tests alone, for the inner loop: no servers, subprocesses, Envoy, model or Debian packages
+	$(PY) -m pytest -m "$(FAST_TESTS)"
 
 bench: system-deps model  ## benchmarks (results go in docs/benchmarks.md)
 	$(VENV)/bin/inferlb bench worker --json docs/bench_worker.json

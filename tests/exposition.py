@@ -5,20 +5,21 @@ the services export (tests/test_grafana.py)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from .conftest import need, which
 from .stack import Gateway, http, running_gateway
 
 MODELS = "all-MiniLM-L6-v2-int8,all-MiniLM-L6-v2-fp32"
 
 
 def run_promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    binary = shutil.which("promtool")
-    assert binary, "promtool not found: make test installs Debian's prometheus package"
+    need("promtool")  # skipped, or failed under make test, naming what is missing (tests/conftest.py)
+    binary = which("promtool")
+    assert binary is not None
     return subprocess.run([binary, *args], input=stdin, capture_output=True, text=True, timeout=60)
 
 

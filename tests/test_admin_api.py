@@ -34,7 +34,7 @@ from .stack import (
 )
 from .xds_client import DeltaClient, SotwClient
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 EXT_PROC_CLUSTER = "inferlb-ext-proc"
 

@@ -34,7 +34,7 @@ from .stack import (
 from .test_admin_api import Admin
 from .xds_client import SotwClient
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 T = TypeVar("T")
 

@@ -27,7 +27,7 @@ from schemathesis.checks import (
 from .conftest import free_port
 from .stack import ControlPlane, http, running_control_plane, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance, content_type_conformance]
 

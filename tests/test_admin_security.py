@@ -22,7 +22,7 @@ import pytest
 from .conftest import free_port
 from .stack import ControlPlane, http, running_control_plane
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 MUTATIONS = ("POST", "PUT", "PATCH", "DELETE")
 # Routes outside /openapi.json (include_in_schema=False): the dashboard's page, assets and feed.

@@ -40,6 +40,7 @@ def start_refused(tmp_path: Path, env: Mapping[str, str], module: str = "control
     return result.stderr
 
 
+@pytest.mark.servers
 @pytest.mark.slow
 def test_the_admin_api_answers_over_https_and_refuses_plain_http(tmp_path: Path) -> None:
     pki = Pki(tmp_path)
@@ -70,6 +71,8 @@ def test_the_admin_api_answers_over_https_and_refuses_plain_http(tmp_path: Path)
         proc.check_alive()
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_plaintext_beyond_loopback_is_refused_unless_accepted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     stderr = start_refused(tmp_path, {"INFERLB_CP_ADMIN_ADDRESS": "0.0.0.0"})
     assert "admin_address 0.0.0.0 is beyond loopback" in stderr and "admin_allow_plaintext = true" in stderr
@@ -87,6 +90,8 @@ def test_plaintext_beyond_loopback_is_refused_unless_accepted(tmp_path: Path, ca
     assert caplog.records == []  # loopback: nothing to say
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_incomplete_unreadable_or_mismatched_tls_files_stop_the_start(tmp_path: Path) -> None:
     pki = Pki(tmp_path)
     good, other = pki.issue("admin"), pki.issue("other")

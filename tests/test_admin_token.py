@@ -48,6 +48,7 @@ def _process_start(data_dir: str, start: multiprocessing.synchronize.Event,  # t
         results.put(f"error: {exc!r}")
 
 
+@pytest.mark.subprocess
 def test_concurrent_starts_in_processes_all_get_the_same_token(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
     start, results = ctx.Event(), ctx.Queue()

@@ -16,7 +16,7 @@ import pytest
 
 from .stack import http, running_gateway, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 OBJECTIVE = "x-gateway-inference-objective"
 

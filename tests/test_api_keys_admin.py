@@ -25,7 +25,7 @@ from .stack import ControlPlane, running_control_plane
 from .test_admin_api import Admin, assert_error
 from .test_store_postgres import Replica, wait_async
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 pytest_plugins = ("tests.postgres",)  # the postgres_url fixture
 

@@ -26,7 +26,7 @@ from inferlb_runtime.request_class import Priority
 from .stack import ControlPlane, running_control_plane
 from .test_ext_proc_service import EXT_PROC_GROUP, MODES, AdsServer, fleet_state, until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 ENVOY_CLUSTER = "inferlb"
 

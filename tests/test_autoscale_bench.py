@@ -52,6 +52,7 @@ def test_schedule_is_open_loop_per_phase_and_seeded() -> None:
     assert 30 * 40 * 0.8 < high < 30 * 40 * 1.2  # about rate x length: Poisson, not a burst
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("argv", [["--max-workers", "1"], ["--low", "2", "--high", "1.5"], ["--high-s", "0"]])
 def test_bad_arguments_exit_2_saying_why(argv: list[str]) -> None:
     out = subprocess.run([sys.executable, "-m", "inferlb.cli", "bench", "autoscale", *argv], cwd=ROOT,
@@ -59,6 +60,9 @@ def test_bad_arguments_exit_2_saying_why(argv: list[str]) -> None:
     assert out.returncode == 2 and "need 2 <= --max-workers" in out.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
 def test_a_short_run_through_the_real_stack_scales_up_and_down_without_failures(tmp_path: Path) -> None:
     from inferlb.bench.deploy.autoscale import add_arguments, main
 

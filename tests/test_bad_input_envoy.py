@@ -38,7 +38,7 @@ from .conftest import WorkerProcess, free_port, running_worker
 from .stack import ControlPlane, Envoy, ExtProc, Proc, http, running_control_plane, running_envoy, \
     running_ext_proc, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 ENVOY_LIMIT = 2 * 1024 * 1024  # the route's body buffer limit: beyond it, Envoy's own 413
 EXT_PROC_LIMIT = 1024 * 1024  # ext_proc's cap, below Envoy's so both 413s are reached

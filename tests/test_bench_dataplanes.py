@@ -23,7 +23,7 @@ from inferlb.bench.routing.capacity import (
 from inferlb.bench.stack.dataplanes import DataPlanePorts, plan_data_plane
 from inferlb.bench.stack.dataplanes.envoy_static import CSWRR_SETTINGS, POLICIES, lb_policy, render_static_bootstrap
 from inferlb.bench.stack.dataplanes.launch import healthy_hosts, pick_decisions
-from inferlb.bench.stack.dataplanes.nginx import NGINX, nginx_argv, prepare_prefix, render_nginx_conf
+from inferlb.bench.stack.dataplanes.nginx import nginx_argv, prepare_prefix, render_nginx_conf
 from inferlb.bench.stack.fleet import FleetLayout, outstanding, worker_argv
 from inferlb.bench.report.results import RunResult
 from inferlb.bench.routing.runner import PROBE_DURATION_S, plan_configurations, probe_duration_s
@@ -92,6 +92,7 @@ def test_static_bootstrap_refuses_nonsense() -> None:
                                 request_timeout_s=1)
 
 
+@pytest.mark.envoy
 @pytest.mark.parametrize("configuration", sorted(POLICIES))
 def test_static_bootstrap_validates_with_the_real_envoy(configuration: str, tmp_path: Path) -> None:
     path = tmp_path / "bootstrap.json"
@@ -128,7 +129,7 @@ def test_nginx_conf_refuses_nonsense(tmp_path: Path) -> None:
         render_nginx_conf(endpoints=ENDPOINTS, listen_port=1, prefix=tmp_path, request_timeout_s=1, keepalive=0)
 
 
-@pytest.mark.skipif(not Path(NGINX).exists(), reason="Debian's nginx is not installed (make test installs it)")
+@pytest.mark.nginx
 def test_nginx_conf_passes_nginx_t(tmp_path: Path) -> None:
     prefix = tmp_path / "nginx"
     prepare_prefix(prefix)

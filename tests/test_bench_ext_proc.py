@@ -193,6 +193,7 @@ def test_static_bootstrap_variants() -> None:
         static_bootstrap(_settings(), ENDPOINTS, admin_port=1, ext_proc_messages=4)
 
 
+@pytest.mark.envoy
 @pytest.mark.parametrize("messages", [1, 2, 3])
 def test_static_bootstrap_with_ext_proc_validates_with_the_real_envoy(messages: int, tmp_path: Path) -> None:
     envoy = static_envoy(envoy_binary(), tmp_path, f"v{messages}", ENDPOINTS, ext_proc_port=20003, messages=messages)
@@ -211,6 +212,7 @@ def _messages(body: bytes) -> list[tuple[bytes, bytes, bytes]]:
     return [(headers, request_body, response)]
 
 
+@pytest.mark.servers
 def test_the_grpc_client_reads_past_a_timeout_extension_to_the_answer() -> None:
     """ext_proc answers a body that waits in its fair queue first with an override_message_timeout; Envoy
     takes it and waits on, and so must the bench's client, or every later read is one message behind."""
@@ -242,7 +244,9 @@ def test_the_grpc_client_reads_past_a_timeout_extension_to_the_answer() -> None:
     assert figures["streams_ok"] > 0 and figures["errors"] == {}
 
 
-@pytest.mark.parametrize("front", ["grpcio", "native"])
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.parametrize("front", ["grpcio", pytest.param("native", marks=pytest.mark.native)])
 def test_the_trivial_servicer_answers_envoys_three_messages(front: str, tmp_path: Path) -> None:
     async def scenario() -> dict:
         async with ProcessGroup() as group:
@@ -258,6 +262,9 @@ def test_the_trivial_servicer_answers_envoys_three_messages(front: str, tmp_path
     assert figures["streams_ok"] > 0 and figures["errors"] == {}
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
 def test_a_static_envoy_streams_each_request_through_the_floor_servicer(tmp_path: Path) -> None:
     """The bench's static Envoy (the control plane's listener, ext_proc filter and clusters) in front of a fake
     worker, with the trivial servicer as its ext_proc: a request answers 200 and opens one ext_proc stream."""
@@ -289,6 +296,7 @@ def test_a_variant_reports_its_median_round_and_every_rounds_rate() -> None:
     assert median_round([{"rps": 5.0}, {"rps": 7.0}, {"rps": 6.0}])["rps"] == 6.0  # no server: by req/s
 
 
+@pytest.mark.subprocess
 def test_the_trivial_servicer_runs_on_the_grpc_ext_proc_sets() -> None:
     """The floor is grpc as ext_proc runs it: GRPC_EXPERIMENTS set to ext_proc's default before grpc loads
     (left alone when the operator set it). The server's loop is replaced by one that only reports."""

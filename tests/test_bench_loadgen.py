@@ -63,6 +63,8 @@ def fixed_trace(n: int, gap_s: float, tokens: int = 8) -> Trace:
                  n * gap_s, 0)
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_a_short_run_completes_every_request(fast_workers: list[SimWorker]) -> None:
     worker = fast_workers[0]
     trace = build_trace(Workload(), 50, 2.0, seed=11)
@@ -86,6 +88,8 @@ def test_a_short_run_completes_every_request(fast_workers: list[SimWorker]) -> N
     assert RunResult.from_json(doc) == result
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_open_loop_sends_on_schedule_and_measures_from_it(slow_worker: SimWorker) -> None:
     """Ten requests 50 ms apart at a worker that serves one per 300 ms: an open-loop client sends them all
     anyway (the worker's queue fills up), and the last one's latency, from its scheduled time, includes
@@ -108,6 +112,8 @@ def test_open_loop_sends_on_schedule_and_measures_from_it(slow_worker: SimWorker
     assert outcome.within_slo <= 1  # only the first can answer within 0.5 s
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_latency_counts_from_the_scheduled_time_not_the_actual_send(slow_worker: SimWorker) -> None:
     """With one connection the client itself must hold requests back; that wait is latency too (no
     coordinated omission): the tenth answer comes nine service times after it was due, though each request
@@ -119,6 +125,8 @@ def test_latency_counts_from_the_scheduled_time_not_the_actual_send(slow_worker:
     assert outcome.histogram.max() >= 10 * JOB_S - 9 * 0.05
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_stragglers_become_timeouts_and_the_run_stays_bounded(slow_worker: SimWorker) -> None:
     trace = fixed_trace(5, 0.001)  # 5 at once; one slot of 300 ms; 0.5 s to answer
     outcome = run_load_blocking(embeddings_url(slow_worker), trace, bodies_for(trace.tokens), slo_s=1.0,
@@ -129,6 +137,8 @@ def test_stragglers_become_timeouts_and_the_run_stays_bounded(slow_worker: SimWo
     wait_for(lambda: queue_depth(slow_worker) == 0, 10, "the worker to drain the cancelled requests")
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_refused_connections_and_error_statuses_are_errors(fast_workers: list[SimWorker]) -> None:
     trace = fixed_trace(5, 0.01)
     closed = run_load_blocking(f"http://127.0.0.1:{free_port()}/v1/embeddings", trace, bodies_for(trace.tokens),
@@ -153,6 +163,9 @@ def test_bad_arguments_are_refused(kwargs: dict, message: str) -> None:
         run_load_blocking(**args)
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.subprocess
 def test_the_cli_prints_the_figures_and_writes_json(fast_workers: list[SimWorker], tmp_path: Path) -> None:
     worker = fast_workers[1]
     out = tmp_path / "result.json"
@@ -173,6 +186,7 @@ def test_the_cli_prints_the_figures_and_writes_json(fast_workers: list[SimWorker
     assert result.extra["repeat_rate"] == 0.3
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("argv", "message"), [
     (["--rate", "0"], "--rate"),
     (["--rate", "10", "--mix", "0.5:8-32"], "add up to 0.5"),
@@ -189,6 +203,7 @@ def test_the_cli_refuses_bad_flags_with_exit_2(argv: list[str], message: str) ->
     assert done.returncode == 2 and message in done.stderr
 
 
+@pytest.mark.subprocess
 def test_the_cli_help_explains_the_flags() -> None:
     done = subprocess.run([*INFERLB, "bench", "load", "--help"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
@@ -232,6 +247,8 @@ def test_plots_refuse_nothing_to_draw(tmp_path: Path) -> None:
         plot_load_latency([], tmp_path / "b.png")
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_service_time_runs_from_the_actual_send(slow_worker: SimWorker) -> None:
     """The same held-back requests: their service time (from when the headers went out) is one service
     time each, while their latency keeps the wait for the one connection; the send lag and the most

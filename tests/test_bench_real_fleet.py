@@ -117,6 +117,7 @@ def test_quotas_are_skipped_with_the_reason_when_no_cpu_cgroup_is_mounted(tmp_pa
     assert lines == ["CPU quotas skipped: no cgroup hierarchy with the cpu controller is mounted"]
 
 
+@pytest.mark.subprocess
 def test_a_quota_group_holds_a_process_and_is_removed_even_when_the_run_fails() -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
@@ -178,6 +179,11 @@ def out(tmp_path: Path) -> Iterator[Path]:
                 pass
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
+@pytest.mark.model
+@pytest.mark.nginx
+@pytest.mark.wrk
 @pytest.mark.slow
 def test_a_tiny_real_fleet_runs_through_the_bench_and_leaves_nothing_behind(out: Path) -> None:
     scenario = out.parent / "tiny.toml"

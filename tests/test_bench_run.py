@@ -58,6 +58,11 @@ def out(tmp_path: Path) -> Iterator[Path]:
                 pass
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
+@pytest.mark.nginx
+@pytest.mark.subprocess
 def test_smoke_scenario_writes_results_table_and_plots(out: Path) -> None:
     done = bench("--scenario", str(SMOKE), "--out", str(out), "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -94,6 +99,11 @@ def test_smoke_scenario_writes_results_table_and_plots(out: Path) -> None:
     assert leftovers(str(out)) == []
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
+@pytest.mark.nginx
+@pytest.mark.subprocess
 def test_rounds_rotate_the_order_and_the_verdict_rests_on_their_medians(out: Path) -> None:
     done = bench("--scenario", str(SMOKE), "--out", str(out), "--no-progress", "--rounds", "2",
                  "--configurations", "nginx_least_conn,inferlb_ext_proc")
@@ -112,6 +122,11 @@ def test_rounds_rotate_the_order_and_the_verdict_rests_on_their_medians(out: Pat
     assert leftovers(str(out)) == []
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
+@pytest.mark.nginx
+@pytest.mark.subprocess
 def test_ctrl_c_stops_every_process(out: Path) -> None:
     # SIGINT back to its default in the child: when the suite was started with SIGINT ignored (`(make test &)`
     # from a script), the bench inherits that and rightly ignores Ctrl-C; this test would then hang
@@ -135,6 +150,7 @@ def test_ctrl_c_stops_every_process(out: Path) -> None:
     assert leftovers(str(out)) == []
 
 
+@pytest.mark.subprocess
 def test_bad_scenario_exits_2_naming_the_field(tmp_path: Path) -> None:
     scenario = tmp_path / "bad.toml"
     scenario.write_text("loads = [0.5, 3.0]\n")
@@ -146,6 +162,7 @@ def test_bad_scenario_exits_2_naming_the_field(tmp_path: Path) -> None:
     assert done.returncode == 2 and "workerz" in done.stderr
 
 
+@pytest.mark.subprocess
 def test_bad_flags_exit_2(tmp_path: Path) -> None:
     done = bench("--scenario", str(SMOKE), "--configurations", "envoy_round_robin,haproxy")
     assert done.returncode == 2 and "haproxy" in done.stderr
@@ -159,6 +176,7 @@ def test_bad_flags_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.subprocess
 def test_help_names_the_configurations() -> None:
     done = bench("--help")
     assert done.returncode == 0
@@ -167,6 +185,7 @@ def test_help_names_the_configurations() -> None:
         assert word in done.stdout
 
 
+@pytest.mark.subprocess
 def test_missing_scenario_file_exits_2(tmp_path: Path) -> None:
     done = bench("--scenario", str(tmp_path / "nope.toml"), "--out", str(tmp_path / "out"))
     assert done.returncode == 2 and "nope.toml" in done.stderr

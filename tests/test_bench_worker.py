@@ -58,6 +58,10 @@ def test_the_subcommand_and_its_quick_mode_parse() -> None:
     assert args.quick and args.json == Path("out.json") and args.func.__module__ == "inferlb.bench.worker.worker_bench"
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.model
+@pytest.mark.wrk
 def test_http_run_measures_a_real_worker_with_wrk(tmp_path: Path) -> None:
     """The HTTP half end to end, on a simulated worker (no model): wrk's figures and the mean batch from the
     worker's own counters; the worker is stopped afterwards."""
@@ -69,6 +73,10 @@ def test_http_run_measures_a_real_worker_with_wrk(tmp_path: Path) -> None:
     assert result.p50_ms is not None and result.p99_ms is not None
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.model
+@pytest.mark.wrk
 def test_http_run_computes_every_input_on_a_real_worker(tmp_path: Path, data_dir: Path) -> None:
     """A real int8 worker: wrk repeats its texts, and the worker's per-input cache would answer them without the
     model (mean batch 0, throughput many times the model's); http_run turns it off, so every input is computed."""

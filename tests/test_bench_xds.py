@@ -62,6 +62,8 @@ def test_quick_mode_parses() -> None:
     assert int_list(QUICK["clients"]) == [1, 10]
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 @pytest.mark.parametrize("mode", ["sotw", "delta"])
 def test_one_configuration_end_to_end(mode: str) -> None:
     """A fresh control-plane process publishes weight changes to a fleet of two ADS clients (a child of that

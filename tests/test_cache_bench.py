@@ -266,6 +266,8 @@ def test_bad_arguments_are_refused_by_name(overrides: dict, message: str, capsys
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
 @pytest.mark.slow
 def test_a_tiny_run_through_the_real_stack_hits_only_with_the_cache_on(out: Path, tmp_path: Path) -> None:  # noqa: F811
     """No timing thresholds: which answers were hits, every request accounted for, no failure, all stopped."""

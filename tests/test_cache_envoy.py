@@ -27,7 +27,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 pytest_plugins = ("tests.redis_server",)  # the redis_url fixture (a real redis-server)
 
 FAMILY = "all-MiniLM-L6-v2"

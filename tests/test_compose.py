@@ -220,6 +220,7 @@ def test_ext_proc_service_matches_its_defaults(compose: dict[str, Any], monkeypa
     assert (config.xds_address, config.xds_port) == ("control-plane", control_plane.xds_port)
 
 
+@pytest.mark.envoy
 def test_envoy_service_uses_the_wheels_envoy_version_and_the_rendered_bootstrap(
     compose: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

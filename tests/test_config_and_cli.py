@@ -55,6 +55,7 @@ def test_unknown_file_keys_are_refused(tmp_path: Path) -> None:
         load_config(path, environ={})
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     ("argv", "expect"),
     [
@@ -73,6 +74,7 @@ def test_every_command_has_help(argv: list[str], expect: str) -> None:
     assert expect in out.stdout
 
 
+@pytest.mark.subprocess
 def test_a_bad_setting_exits_2_with_the_reason() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "workers", "--port", "0"], cwd=ROOT, capture_output=True, text=True, check=False, timeout=60
@@ -81,6 +83,7 @@ def test_a_bad_setting_exits_2_with_the_reason() -> None:
     assert "port must be 1..65535" in out.stderr
 
 
+@pytest.mark.subprocess
 def test_the_bench_says_which_of_your_settings_its_components_run_without() -> None:
     """The bench keeps INFERLB_* from what it starts (a developer's settings must not change a benchmark); it
     says so, or a run could be taken for one with those settings. INFERLB_DATA_DIR it uses itself."""
@@ -107,6 +110,7 @@ def _stack(tmp_path: Path, **kwargs):  # type: ignore[no-untyped-def]
     return stack_components(workers=2, base_port=8101, data_dir=tmp_path, ports=StackPorts(), **kwargs)
 
 
+@pytest.mark.envoy  # finds the binary to plan the stack
 def test_up_starts_workers_control_plane_ext_proc_envoy_in_that_order(tmp_path: Path) -> None:
     from control_plane.__main__ import build_parser as control_plane_parser
     from ext_proc.__main__ import build_parser as ext_proc_parser
@@ -189,6 +193,7 @@ def test_the_status_file_round_trips_and_renders(tmp_path: Path) -> None:
         "not answering (crashed 2 times)"
 
 
+@pytest.mark.subprocess
 def test_status_without_a_stack_exits_3(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "inferlb.cli", "status", "--data-dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=60)
@@ -199,6 +204,7 @@ def test_status_without_a_stack_exits_3(tmp_path: Path) -> None:
     assert out.returncode == 3 and json.loads(out.stdout) == {"running": False, "data_dir": str(tmp_path)}
 
 
+@pytest.mark.subprocess
 def test_up_refuses_an_unknown_dataplane_with_the_choices() -> None:
     out = subprocess.run([sys.executable, "-m", "inferlb.cli", "up", "--dataplane", "haproxy"],
                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=60)
@@ -206,6 +212,7 @@ def test_up_refuses_an_unknown_dataplane_with_the_choices() -> None:
     assert "argument --dataplane: invalid choice: 'haproxy'" in out.stderr
 
 
+@pytest.mark.envoy  # finds the binary to plan the stack
 def test_up_serves_both_model_versions_and_names_the_pool(tmp_path: Path) -> None:
     from inferlb.components import DEFAULT_MODELS, WorkerOptions, worker_component
     from workers.__main__ import _serve_parser as worker_parser
@@ -237,6 +244,7 @@ def test_up_autoscale_flags_become_a_scaler_and_the_control_planes_pool_bounds(t
     assert autoscale_plan(build_parser().parse_args(["up", "--workers", "3"])) == (3, None)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("argv", "message"), [
     (["--autoscale", "3..1"], "need 1 <= MIN <= MAX"),
     (["--autoscale", "1..3", "--workers", "2"], "--workers and --autoscale do not go together"),

@@ -51,6 +51,7 @@ def test_bad_settings_are_refused_by_name(overrides: dict, fragment: str) -> Non
         load_config(overrides=overrides)
 
 
+@pytest.mark.subprocess
 def test_the_command_line_explains_itself_and_refuses_bad_input() -> None:
     help_out = subprocess.run([sys.executable, "-m", "control_plane", "--help"], cwd=ROOT, capture_output=True,
                               text=True, timeout=60)

@@ -13,6 +13,8 @@ import pytest
 
 from inferlb.bench.ext_proc_bench.cpu_placement import affinity, set_affinity, thread_ids
 
+pytestmark = pytest.mark.subprocess
+
 CHILD = """
 import sys, threading
 stop = threading.Event()

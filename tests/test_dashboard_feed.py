@@ -18,7 +18,7 @@ from control_plane.admin.dashboard import STATIC_DIR
 from .stack import ControlPlane, http, running_control_plane, running_sim_workers
 from .test_admin_api import assert_error
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 DEADLINE_S = 30.0
 

@@ -178,6 +178,8 @@ def test_runner_applies_snapshots_and_only_partials_on_failure() -> None:
 # --- the real control plane ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_control_plane_discovers_a_worker_by_name(tmp_path: Path) -> None:
     with running_sim_workers(tmp_path, 1) as [worker]:
         unresolvable = f"no-such-worker.invalid:{free_port()}"

@@ -136,6 +136,7 @@ def replayed_api(events: dict[str, Any]) -> Iterator[ReplayedKubernetesApi]:
         yield api
 
 
+@pytest.mark.servers
 def test_provider_lists_watches_relists_after_410_and_reports_an_api_outage(
         replayed_api: ReplayedKubernetesApi, tmp_path: Path) -> None:
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", replayed_api.url)
@@ -181,6 +182,9 @@ def test_provider_lists_watches_relists_after_410_and_reports_an_api_outage(
 # --- the real control plane and a real Envoy ---------------------------------------------------------------
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
 def test_control_plane_and_envoy_follow_the_endpointslices(replayed_api: ReplayedKubernetesApi,
                                                              tmp_path: Path) -> None:
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", replayed_api.url)
@@ -239,6 +243,8 @@ def test_control_plane_and_envoy_follow_the_endpointslices(replayed_api: Replaye
         assert set(endpoints()) == {B} and set(envoy.hosts()) == {B}
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_an_unreadable_kubeconfig_stops_the_control_plane_with_a_clear_error(tmp_path: Path) -> None:
     """Retrying cannot fix a missing kubeconfig: the control plane says so and exits 1, not silently on."""
     import os
@@ -280,6 +286,9 @@ def test_a_hostname_in_a_slice_is_skipped_and_the_rest_published() -> None:
     assert endpoints_from_slices([mixed], "http") == endpoints
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
 def test_a_hostname_in_an_endpointslice_does_not_freeze_envoy(tmp_path: Path) -> None:
     """Before: the hostname went into EDS; Envoy NACKed the ClusterLoadAssignment (and ext_proc refused it), so
     neither the IP beside it nor any later change reached Envoy. Now the hostname is skipped."""

@@ -120,6 +120,7 @@ def sample_state(settings: DataPlaneSettings | None = None) -> FleetState:
 
 # --- the bootstrap -------------------------------------------------------------------------------
 
+@pytest.mark.envoy
 @pytest.mark.parametrize("delta", [False, True], ids=["GRPC", "DELTA_GRPC"])
 def test_rendered_bootstrap_validates(tmp_path: Path, delta: bool) -> None:
     text = render_bootstrap(node_id="envoy-1", delta=delta, xds_port=18001, admin_port=9911)
@@ -131,6 +132,7 @@ def test_rendered_bootstrap_validates(tmp_path: Path, delta: bool) -> None:
     validate(config)
 
 
+@pytest.mark.envoy
 def test_bootstrap_with_a_host_name_and_odd_node_id_validates(tmp_path: Path) -> None:
     text = render_bootstrap(node_id='we"ird: id # x', node_cluster="edge", xds_address="control-plane")
     assert "type: STRICT_DNS" in text
@@ -143,6 +145,7 @@ def _xds_cluster(text: str) -> dict:
     return next(c for c in yaml.safe_load(text)["static_resources"]["clusters"] if c["name"] == "xds_cluster")
 
 
+@pytest.mark.envoy
 @pytest.mark.parametrize(("address", "san_type", "sni"), [("127.0.0.1", "IP_ADDRESS", ""),
                                                           ("control-plane", "DNS", "control-plane")])
 def test_bootstrap_with_xds_mtls_validates(tmp_path: Path, address: str, san_type: str, sni: str) -> None:
@@ -198,12 +201,14 @@ def test_no_python_package_in_envoy_dir() -> None:
 
 # --- the generated resources ---------------------------------------------------------------------
 
+@pytest.mark.envoy
 def test_generated_resources_validate(tmp_path: Path) -> None:
     config = tmp_path / "static.json"
     config.write_text(json.dumps(static_bootstrap(sample_state(), admin_port=0), indent=1))
     validate(config)
 
 
+@pytest.mark.envoy
 def test_generated_resources_with_dns_ext_proc_and_no_endpoints_validate(tmp_path: Path) -> None:
     settings = DataPlaneSettings(ext_proc=ExtProcSettings(address="localhost", failure_mode_allow=False))
     config = tmp_path / "static.json"
@@ -326,6 +331,9 @@ def running_envoy(config: dict, tmp_path: Path) -> Iterator[int]:
         stop_process(process, timeout=10)
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
 def test_live_picks_fallback_body_limit_and_fail_open(tmp_path: Path) -> None:
     limit = 3 * 1024 * 1024  # above Envoy's 1 MiB connection default, to prove the route limit raises it
     ext_port = free_port()
@@ -379,6 +387,9 @@ def test_live_picks_fallback_body_limit_and_fail_open(tmp_path: Path) -> None:
             assert {served_by({WANT: f"127.0.0.1:{a}"}) for _ in range(5)} <= {a, b}
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
 def test_live_fail_closed_without_ext_proc(tmp_path: Path) -> None:
     """failure_mode_allow=False: no ext_proc, no traffic (503, in OpenAI's shape), rather than unpicked traffic."""
     settings = DataPlaneSettings(

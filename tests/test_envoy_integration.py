@@ -41,7 +41,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 T = TypeVar("T")
 MODES = pytest.mark.parametrize("delta", [False, True], ids=["sotw", "delta"])

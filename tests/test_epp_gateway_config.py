@@ -87,6 +87,7 @@ def test_yaml_carries_selected_host_key_and_is_deterministic() -> None:
     assert typed["selected_host_key"] == {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint-served"}]}
 
 
+@pytest.mark.subprocess
 def test_bad_input_is_refused_with_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="endpoints"):
         build_pool_cluster(EppGateway(8081, 9002, 19000))

@@ -41,7 +41,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"  # the harness's way to set the subset hint
 SERVED_HEADER = "x-inferlb-endpoint"  # ext_proc's response header: the endpoint that served, as reported

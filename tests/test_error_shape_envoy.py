@@ -40,7 +40,7 @@ from .stack import (
 from .test_admin_api import Admin
 from .test_ext_proc_envoy import ready_through_ext_proc
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 ENVOY_LIMIT = 2 * 1024 * 1024  # the route's request_body_buffer_limit
 EXT_PROC_LIMIT = 1024 * 1024  # ext_proc's own cap, below Envoy's here so that ext_proc's 413 can be seen

@@ -261,6 +261,7 @@ def test_canary_params_are_validated() -> None:
 # --- through the real control plane ---------------------------------------------------------------
 
 
+@pytest.mark.servers
 @pytest.mark.slow
 def test_the_control_plane_runs_the_canary_policy_from_its_command_line(tmp_path: Path) -> None:
     """``python -m control_plane --weight-policy examples.policies.canary_weights:CanaryWeightPolicy`` with three

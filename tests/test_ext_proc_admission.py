@@ -93,6 +93,7 @@ def test_round_robin_skips_the_endpoint_that_would_miss_the_deadline() -> None:
 # --- through ext_proc's gRPC server ---------------------------------------------------------------------
 
 
+@pytest.mark.servers
 def test_a_sheddable_request_on_an_overloaded_fleet_gets_429_and_a_critical_one_a_pick(counter: TokenCounter) -> None:
     async def scenario() -> None:
         async with serving(counter, static_view([busy(A), busy(B)])) as h:
@@ -121,6 +122,7 @@ def test_a_sheddable_request_on_an_overloaded_fleet_gets_429_and_a_critical_one_
     asyncio.run(scenario())
 
 
+@pytest.mark.servers
 def test_a_sheddable_request_on_an_idle_fleet_is_served(counter: TokenCounter) -> None:
     async def scenario() -> None:
         async with serving(counter, static_view([A, B])) as h:
@@ -135,6 +137,7 @@ def test_a_sheddable_request_on_an_idle_fleet_is_served(counter: TokenCounter) -
     asyncio.run(scenario())
 
 
+@pytest.mark.servers
 def test_shedding_off_serves_sheddable_requests_however_loaded(counter: TokenCounter) -> None:
     async def scenario() -> None:
         async with serving(counter, static_view([busy(A), busy(B)]),
@@ -148,6 +151,7 @@ def test_shedding_off_serves_sheddable_requests_however_loaded(counter: TokenCou
     asyncio.run(scenario())
 
 
+@pytest.mark.servers
 def test_a_deadline_steers_the_pick_away_from_a_queue_it_would_miss(counter: TokenCounter) -> None:
     async def scenario() -> None:
         view = static_view([busy(A), B], PickPolicySpec("round_robin"))
@@ -173,6 +177,7 @@ def test_a_deadline_steers_the_pick_away_from_a_queue_it_would_miss(counter: Tok
     asyncio.run(scenario())
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("header,value", [("x-gateway-inference-objective", "urgent"),
                                           ("x-inferlb-timeout-ms", "soon"), ("x-inferlb-timeout-ms", "-5"),
                                           ("x-envoy-expected-rq-timeout-ms", "nan")])

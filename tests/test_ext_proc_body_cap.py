@@ -12,6 +12,7 @@ import asyncio
 import json
 
 import grpc
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.server import ServiceSettings
@@ -20,6 +21,8 @@ from ext_proc.xds_client import static_view
 
 from .test_ext_proc_service import counter  # noqa: F401 - the fixture
 from .test_ext_proc_service import A, B, exchange, request_body, request_headers, serving, set_headers
+
+pytestmark = pytest.mark.servers
 
 LIMIT = 256 * 1024
 CHUNK = b"x" * (64 * 1024)

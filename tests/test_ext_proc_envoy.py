@@ -41,7 +41,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 # 256+ words of plain ASCII: one input the model truncates at 256 tokens.
 LONG_TEXT = " ".join(["load balancing"] * 150)
@@ -125,7 +125,7 @@ class Stack:
                  and self.ext_proc.outstanding() == 0, 30, "every worker and ext_proc to be idle", self.procs)
 
 
-@pytest.fixture(scope="module", params=["native", "grpcio"])
+@pytest.fixture(scope="module", params=[pytest.param("native", marks=pytest.mark.native), "grpcio"])
 def stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Stack]:
     """The stack, once on each of ext_proc's gRPC fronts: every test here holds for both."""
     log_dir = tmp_path_factory.mktemp(f"ext-proc-envoy-{request.param}")

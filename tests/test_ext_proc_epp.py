@@ -33,6 +33,8 @@ from .test_ext_proc_service import (
     set_headers,
 )
 
+pytestmark = pytest.mark.servers
+
 MODE = processing_mode_pb2.ProcessingMode
 DUPLEX = pb.ProtocolConfiguration(request_body_mode=MODE.FULL_DUPLEX_STREAMED,
                                   response_body_mode=MODE.FULL_DUPLEX_STREAMED)

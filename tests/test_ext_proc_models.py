@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import json
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from control_plane.model import Endpoint, FleetState, Health
@@ -30,6 +31,8 @@ from .test_ext_proc_service import (
     set_headers,
     until,
 )
+
+pytestmark = pytest.mark.servers
 
 INT8, FP32 = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32"
 FAMILY, ST = "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"

@@ -54,6 +54,8 @@ from ext_proc.xds_client import (
 from .conftest import ROOT, free_port
 from .stack import http, launch, wait_for
 
+pytestmark = pytest.mark.servers
+
 T = TypeVar("T")
 PICK = "x-gateway-destination-endpoint"
 EXT_PROC_GROUP = "inferlb-ext-proc"
@@ -65,7 +67,7 @@ def counter() -> TokenCounter:
     return TokenCounter.from_package()
 
 
-@pytest.fixture(params=["native", "grpcio"])
+@pytest.fixture(params=[pytest.param("native", marks=pytest.mark.native), "grpcio"])
 def grpc_front(request: pytest.FixtureRequest) -> GrpcFront:
     """Each gRPC test runs on both fronts: the same servicer, the same assertions."""
     return request.param
@@ -624,6 +626,7 @@ def test_settings_merge_file_environment_and_flags(tmp_path: Path, monkeypatch: 
         load_config(overrides={"bogus": 1})
 
 
+@pytest.mark.slow  # python -m ext_proc, a real process
 def test_the_command_line_serves_probes_without_a_control_plane_and_stops_on_sigterm(tmp_path: Path) -> None:
     help_out = subprocess.run([sys.executable, "-m", "ext_proc", "--help"], cwd=ROOT, capture_output=True,
                               text=True, timeout=60)

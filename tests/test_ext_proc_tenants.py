@@ -29,6 +29,8 @@ from .stack import prometheus_samples, sample
 from .test_ext_proc_service import (PICK, exchange, request_body, request_headers, response_headers, serving,
                                     set_headers, until)
 
+pytestmark = pytest.mark.servers
+
 A = EndpointView("127.0.0.1:8201", "127.0.0.1", 8201)
 KEY, BATCH_KEY = "ilb-test-key-acme", "ilb-test-key-batch"
 TABLE = KeyTable.of("v1", [

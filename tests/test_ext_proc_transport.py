@@ -74,6 +74,7 @@ def test_ext_proc_listens_on_its_port_and_on_the_socket_when_set() -> None:
     assert ExtProcConfig(port=9100, uds_path=Path("/tmp/e.sock")).grpc_targets == ["127.0.0.1:9100", "unix:/tmp/e.sock"]
 
 
+@pytest.mark.envoy  # finds the binary to plan the stack
 def test_inferlb_up_points_envoy_at_ext_procs_socket_in_the_data_dir(tmp_path: Path) -> None:
     from ext_proc.__main__ import build_parser as ext_proc_parser
 
@@ -84,6 +85,7 @@ def test_inferlb_up_points_envoy_at_ext_procs_socket_in_the_data_dir(tmp_path: P
     assert cp.env["INFERLB_CP_DATA_PLANE__EXT_PROC_UDS_PATH"] == str(socket_path)
 
 
+@pytest.mark.envoy  # finds the binary to plan the stack
 def test_inferlb_up_falls_back_to_tcp_when_the_data_dir_is_too_deep_for_a_socket(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * MAX_UNIX_SOCKET_PATH_BYTES)
     assert ext_proc_socket(deep) is None
@@ -122,6 +124,8 @@ def picked(url: str) -> str | None:
     return response.headers.get(ENDPOINT_HEADER) if response.status_code == 200 else None
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
 @pytest.mark.slow
 def test_envoy_reaches_ext_proc_over_a_unix_socket(tmp_path: Path, short_dir: Path) -> None:
     socket_path = short_dir / "ext_proc.sock"
@@ -140,6 +144,8 @@ def test_envoy_reaches_ext_proc_over_a_unix_socket(tmp_path: Path, short_dir: Pa
         assert (gw.envoy.stat("cluster.ext_proc.upstream_cx_total") or 0) >= 1
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
 @pytest.mark.slow
 def test_two_ext_procs_share_one_port_and_the_survivor_takes_the_picks(tmp_path: Path) -> None:
     """Two ext_proc processes bound to one port (SO_REUSEPORT): Envoy's connection lands on one of them;
@@ -171,6 +177,7 @@ def test_two_ext_procs_share_one_port_and_the_survivor_takes_the_picks(tmp_path:
             assert client.get(f"{other.metrics_url}/readyz").status_code == 200
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("given, expected", [(None, "-event_engine_listener,-event_engine_for_all_other_endpoints"),
                                              ("", ""), ("pollset_alternative", "pollset_alternative")])
 def test_ext_proc_chooses_grpcs_endpoints_before_grpc_loads_unless_told(given: str | None, expected: str) -> None:

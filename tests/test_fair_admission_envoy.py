@@ -18,7 +18,7 @@ import pytest
 
 from .stack import http, running_gateway, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 MESSAGE_TIMEOUT_S = 0.2  # the control plane's default ext_proc_message_timeout_ms
 

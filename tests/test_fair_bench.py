@@ -22,6 +22,8 @@ def fair(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
 @pytest.mark.slow
 def test_a_tiny_run_with_the_fair_queue_and_without(out: Path, tmp_path: Path) -> None:  # noqa: F811
     report_file = tmp_path / "fair.json"
@@ -51,6 +53,7 @@ def test_a_tiny_run_with_the_fair_queue_and_without(out: Path, tmp_path: Path) -
     assert leftovers(str(out)) == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("flags, message", [
     (["--weights", "1"], "--weights takes two numbers"),
     (["--weights", "0,3"], "weights must be in (0, 1000]"),
@@ -64,6 +67,7 @@ def test_bad_arguments_exit_2_saying_why(flags: list[str], message: str) -> None
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.subprocess
 def test_help_says_what_it_measures() -> None:
     done = fair("--help", timeout=60)
     assert done.returncode == 0

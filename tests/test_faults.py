@@ -16,7 +16,8 @@ import pytest
 from inferlb.bench.reliability.faults_live import FaultRunner
 from inferlb.bench.reliability.faults_plan import FaultPlan
 from inferlb.bench.reliability.faults_stores import PIN_WHEN_BACK
-from inferlb.bench.reliability.faults_postgres import server_binaries
+
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 PLAN = FaultPlan(load=0.7, baseline=40, tail=40, max_run_s=60.0, react_timeout_s=20.0)
 
@@ -77,6 +78,7 @@ def test_a_delayed_worker_gets_less_traffic(tmp_path: Path) -> None:
     assert row["spread"].get(row["target"], 0) > 0  # delay removed, it serves again (back_s)
 
 
+@pytest.mark.redis
 def test_redis_down_fails_quotas_open_and_breaks_nothing_else(tmp_path: Path) -> None:
     row = run_fault(tmp_path, "redis_down")
     assert row["reacted_s"] is not None, row  # quota checks failed open
@@ -89,6 +91,7 @@ def test_redis_down_fails_quotas_open_and_breaks_nothing_else(tmp_path: Path) ->
     assert row["ext_proc_while_held"].get("cache:redis:miss", 0) > 0, row  # the shared cache level missed
 
 
+@pytest.mark.redis
 def test_redis_down_fails_quotas_closed_when_so_configured(tmp_path: Path) -> None:
     row = run_fault(tmp_path, "redis_down_closed")
     assert row["reacted_s"] is not None, row
@@ -102,6 +105,7 @@ def test_redis_down_fails_quotas_closed_when_so_configured(tmp_path: Path) -> No
     assert row["failed_after_back"] == 0 or after_back.get("store:timeout", 0) > 0, row
 
 
+@pytest.mark.redis
 def test_slow_redis_fails_quotas_open_and_breaks_nothing_else(tmp_path: Path) -> None:
     row = run_fault(tmp_path, "redis_slow")  # a delaying proxy in front of Redis, past ext_proc's 50 ms timeout
     assert row["reacted_s"] is not None, row
@@ -116,9 +120,8 @@ def test_a_nacked_config_leaves_serving_on_the_last_good_one_and_shows_in_the_ad
     assert row["failed"] == 0, row  # served on the last good config; back_s: the good one ACKed
 
 
+@pytest.mark.postgres
 def test_postgres_down_under_two_replicas_refuses_mutations_clearly_and_they_converge_after(tmp_path: Path) -> None:
-    if server_binaries() is None:
-        pytest.skip("PostgreSQL server binaries not found under /usr/lib/postgresql/*/bin (make test installs them)")
     row = run_fault(tmp_path, "postgres_down")  # two control-plane replicas on a throwaway PostgreSQL, shut down
     assert row["failed"] == 0, row  # serving never needs the store
     assert row["reacted_s"] is not None, row  # each replica refused a pin

@@ -129,12 +129,14 @@ def test_exposed_names_are_the_wire_names() -> None:
 # --- the rules ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.promtool
 def test_the_rules_pass_promtool_check_rules() -> None:
     done = run_promtool("check", "rules", str(RULES))
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(rules())} rules found" in done.stdout
 
 
+@pytest.mark.promtool
 def test_each_alert_fires_on_its_synthetic_series_and_stays_quiet_otherwise() -> None:
     done = run_promtool("test", "rules", str(RULE_TESTS))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -150,6 +152,7 @@ def test_every_alert_is_unit_tested_both_ways() -> None:
     assert names - quiet == set() and names - firing == set(), (names - quiet, names - firing)
 
 
+@pytest.mark.promtool
 def test_the_rule_tests_can_fail(tmp_path: Path) -> None:
     """A rule that fires on the healthy value instead is caught by alerts_test.yml."""
     broken = RULES.read_text().replace("inferlb_cp_endpoint_healthy == 0", "inferlb_cp_endpoint_healthy == 1")
@@ -247,6 +250,7 @@ def test_the_name_check_sees_through_functions_and_operators() -> None:
 # --- Prometheus configuration and the Compose override ---------------------------------------------------------
 
 
+@pytest.mark.promtool
 def test_the_example_prometheus_config_passes_promtool_and_loads_the_rules() -> None:
     done = run_promtool("check", "config", str(GRAFANA / "prometheus.yml"))
     assert done.returncode == 0, done.stdout + done.stderr

@@ -22,6 +22,8 @@ def hogs(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
 @pytest.mark.slow
 def test_a_tiny_hogs_run_compares_the_options_and_stops_everything(out: Path, tmp_path: Path,  # noqa: F811
                                                                     data_dir: Path) -> None:
@@ -44,6 +46,7 @@ def test_a_tiny_hogs_run_compares_the_options_and_stops_everything(out: Path, tm
     assert leftovers(str(out)) == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, message", [
     (("--schedulings", "las,lifo"), "comma-separated list of las, round_robin, fifo"),
     (("--hog-inputs", "65"), "over the workers' max_request_tokens of 16384"),
@@ -56,6 +59,7 @@ def test_bad_arguments_exit_2_saying_why(args: tuple[str, ...], message: str) ->
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.subprocess
 def test_help_names_the_target_and_the_options() -> None:
     done = hogs("--help", timeout=60)
     assert done.returncode == 0

@@ -25,7 +25,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 ENDPOINT_HEADER = "x-inferlb-endpoint"
 

@@ -15,7 +15,7 @@ import trustme
 
 from .stack import running_control_plane, running_envoy, running_sim_workers, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 
 def https_post(url: str, context: ssl.SSLContext) -> httpx.Response:

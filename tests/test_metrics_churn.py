@@ -26,7 +26,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 
 def labelled(samples: dict[tuple[str, frozenset], float]) -> dict[str, set[str]]:

@@ -15,7 +15,7 @@ from .conftest import WorkerProcess
 from .exposition import exercised_gateway, run_promtool, scrape
 from .stack import Gateway, http
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.promtool]
 
 
 def promtool(text: str) -> subprocess.CompletedProcess[str]:

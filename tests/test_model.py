@@ -56,11 +56,13 @@ def int8_engine(artifacts: ModelArtifacts) -> Engine:
 # --- the real model against the reference -------------------------------------------------
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_token_counts_match_reference(reference: dict, reference_ids: list[list[int]]) -> None:
     assert [len(ids) for ids in reference_ids] == [item["tokens_with_special"] for item in reference["items"]]
 
 
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize(("engine_name", "threshold"), [("fp32_engine", 0.9999), ("int8_engine", 0.99)])
 def test_embeddings_match_reference(
@@ -74,6 +76,7 @@ def test_embeddings_match_reference(
         assert cosine(embedding, np.asarray(item["embedding"])) >= threshold, item["text"][:40]
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_padding_does_not_change_embeddings(fp32_engine: Engine, reference_ids: list[list[int]]) -> None:
     together = fp32_engine.embed(reference_ids)
@@ -82,6 +85,7 @@ def test_padding_does_not_change_embeddings(fp32_engine: Engine, reference_ids: 
     assert np.abs(together - alone).max() < 1e-5
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_int8_in_a_mixed_batch_still_matches_reference(
     int8_engine: Engine, reference: dict, reference_ids: list[list[int]]
@@ -92,6 +96,7 @@ def test_int8_in_a_mixed_batch_still_matches_reference(
         assert cosine(embedding, np.asarray(item["embedding"])) >= 0.99, item["text"][:40]
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_long_text_truncates_to_max_tokens(artifacts: ModelArtifacts, fp32_engine: Engine) -> None:
     tokenizer = load_tokenizer(artifacts.tokenizer, artifacts.max_tokens)
@@ -101,6 +106,7 @@ def test_long_text_truncates_to_max_tokens(artifacts: ModelArtifacts, fp32_engin
     assert fp32_engine.embed([ids]).shape == (1, 384)
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_engine_rejects_bad_input(fp32_engine: Engine) -> None:
     assert fp32_engine.embed([]).shape == (0, 384)
@@ -112,6 +118,7 @@ def test_engine_rejects_bad_input(fp32_engine: Engine) -> None:
         fp32_engine.embed([[101] * 513])
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_second_prepare_reuses_cache(artifacts: ModelArtifacts) -> None:
     data_dir = artifacts.fp32.parents[3]

@@ -32,7 +32,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 FAMILY = "all-MiniLM-L6-v2"
 INT8, FP32 = f"{FAMILY}-int8", f"{FAMILY}-fp32"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,8 +36,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.skipif(not Path("/usr/sbin/nginx").exists() and not shutil.which("nginx"),
-                                reason="nginx is not installed (make test installs it)")
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.nginx]
 
 MIN_RELOAD_INTERVAL_S = 1.0
 BODY = {"input": "hello nginx", "model": "all-MiniLM-L6-v2"}

@@ -50,6 +50,8 @@ def overload(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
                           timeout=timeout)
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
 @pytest.mark.slow
 def test_a_short_overload_run_live_and_simulated(out: Path, tmp_path: Path) -> None:  # noqa: F811
     scenario_file = tmp_path / "tiny.toml"
@@ -84,6 +86,7 @@ def test_a_short_overload_run_live_and_simulated(out: Path, tmp_path: Path) -> N
     assert leftovers(str(out)) == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("text, message", [
     ('name = "plain"\n', "has no class mix"),
     ('shed_slo_ms = 0\n[workload.classes]\ncritical = 0.5\nstandard = 0.5\n', "shed_slo_ms is 0"),
@@ -96,11 +99,13 @@ def test_bad_scenarios_exit_2_saying_why(tmp_path: Path, text: str, message: str
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
+@pytest.mark.subprocess
 def test_a_bad_load_exits_2() -> None:
     done = overload("--load", "3", timeout=60)
     assert done.returncode == 2 and "loads" in done.stderr, done.stderr
 
 
+@pytest.mark.subprocess
 def test_help_names_the_targets() -> None:
     done = overload("--help", timeout=60)
     assert done.returncode == 0 and "--quick" in done.stdout and "5 ms" in done.stdout and "95%" in done.stdout

@@ -26,7 +26,7 @@ from inferlb_runtime.request_class import OBJECTIVE_HEADER
 
 from .stack import http, running_gateway, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 PER_TOKEN_US = 250  # ext_proc's prior cost per token (CostParams.prior_per_token_s), fixed cost 0
 INPUTS = ["word " * 250] * 16  # 16 inputs of 252 tokens: ~1 s of simulated work per request

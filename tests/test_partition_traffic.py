@@ -40,7 +40,7 @@ from .stack import (
 
 from .test_ext_proc_service import request_body, request_headers
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 
 def partition(ext_proc: ExtProc) -> tuple[float | None, float | None]:

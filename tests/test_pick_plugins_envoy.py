@@ -18,7 +18,7 @@ import pytest
 from .conftest import ROOT
 from .stack import ControlPlane, http, running_gateway, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 MODULE = "readme_pick_plugins"
 REQUESTS = 30

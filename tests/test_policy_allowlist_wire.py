@@ -16,7 +16,7 @@ import pytest
 
 from .stack import ControlPlane, ExtProc, http, running_control_plane, running_ext_proc, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 STICKY = "examples.policies.sticky_session:SessionAffinity"
 # The sticky-session scorer added to the default chain: a pick policy that names a user plugin.

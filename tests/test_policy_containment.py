@@ -447,6 +447,7 @@ def test_the_default_builtin_weight_policy_spec_and_pick_spec_round_trip() -> No
 # --- through ext_proc's gRPC service ---------------------------------------------------------------
 
 
+@pytest.mark.servers
 def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: Any, monkeypatch: Any) -> None:
     """EDS names a chain with a user filter and a user scorer that raise on every call: requests still get a
     pick (the rest of the chain's), the failures are counted, and switching back to a built-in works."""

@@ -345,6 +345,7 @@ def test_a_spec_describes_itself() -> None:
 # --- the services stay apart ----------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_loading_keeps_the_services_apart() -> None:
     """The control plane may import a pick policy's module (to describe it) without importing ext_proc."""
     code = textwrap.dedent(f"""
@@ -364,6 +365,7 @@ def test_loading_keeps_the_services_apart() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
+@pytest.mark.subprocess
 def test_the_control_plane_command_takes_a_spec_and_refuses_bad_params() -> None:
     bad = subprocess.run([sys.executable, "-m", "control_plane", "--weight-policy", CANARY,
                           "--allow-policy-module", "examples.policies"], cwd=ROOT,

@@ -18,6 +18,8 @@ from inferlb.components import WorkerOptions, worker_component
 from inferlb.pool_scaler import AdminClient, PoolScaler, ScalerSettings, SupervisorWorkers
 from inferlb.supervisor import Component, Supervisor
 
+import pytest
+
 from .conftest import free_port, running_worker
 from .test_envoy_integration import until_blocking
 from .stack import (
@@ -29,6 +31,8 @@ from .stack import (
     running_ext_proc,
     wait_for,
 )
+
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 BODY = {"model": "all-MiniLM-L6-v2", "input": ["The cat sits on the mat."]}
 

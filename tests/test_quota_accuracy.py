@@ -104,6 +104,7 @@ def test_the_schedule_offers_the_load_in_exact_tokens() -> None:
     assert schedules == plan_load(60_000, 3.0, 60.0, 10, (1, 64), (8, 24), seed=7)  # seeded
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, message", [
     (("--minutes", "0"), "--minutes must be > 0"), (("--quota", "0"), "--quota must be >= 1"),
     (("--sentences", "9-3"), "LOW <= HIGH"), (("--sentence-tokens", "2-8"), "more than 2"),

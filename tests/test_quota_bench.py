@@ -27,6 +27,7 @@ def bench(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120, check=False)
 
 
+@pytest.mark.subprocess
 def test_a_tiny_run_against_a_given_redis(redis_url: str, tmp_path) -> None:
     result = bench("--calls", "200", "--redis-calls", "50", "--keys", "20", "--redis-url", redis_url,
                    "--json", str(tmp_path / "quota.json"))
@@ -37,6 +38,7 @@ def test_a_tiny_run_against_a_given_redis(redis_url: str, tmp_path) -> None:
     assert (tmp_path / "quota.json").read_text().count('"cpu_us"') == len(ROWS)
 
 
+@pytest.mark.subprocess
 def test_a_run_with_its_own_redis_leaves_nothing_running(redis_server: RedisServer) -> None:
     """(redis_server: only so the test is skipped, with why, where redis-server is not installed.)"""
     before = {p.pid for p in psutil.process_iter() if p.name() == "redis-server"}
@@ -47,6 +49,7 @@ def test_a_run_with_its_own_redis_leaves_nothing_running(redis_server: RedisServ
     assert after <= before
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args", [("--calls", "0"), ("--keys", "-1"), ("--redis-calls", "0")])
 def test_bad_arguments_exit_saying_why(args: tuple[str, ...]) -> None:
     result = bench(*args, "--no-redis")

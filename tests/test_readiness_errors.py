@@ -19,6 +19,8 @@ from inferlb.bench.routing.runner import find_envoy
 from inferlb.bootstrap import envoy_startup_stats_url, render_bootstrap
 from inferlb.supervisor import Component
 
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
+
 
 async def start(component: Component) -> None:
     async with ProcessGroup() as group:
@@ -35,6 +37,7 @@ def test_a_component_that_exits_before_ready_shows_the_end_of_its_log(tmp_path: 
     assert "bad config: no model" in str(caught.value)
 
 
+@pytest.mark.envoy
 def test_an_envoy_that_is_not_ready_says_which_init_targets_it_waits_for(tmp_path: Path) -> None:
     xds_port, admin_port = free_ports(2)  # nothing will listen on xds_port
     bootstrap = tmp_path / "envoy.yaml"

@@ -26,7 +26,7 @@ from .stack import (
 from .test_admin_api import Admin
 
 pytest_plugins = ("tests.postgres",)  # the postgres_server and postgres_url fixtures
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 
 def flags(envoy: Envoy, host: str) -> str:

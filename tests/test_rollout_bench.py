@@ -24,6 +24,8 @@ def rollout(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
                           timeout=timeout)
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
 @pytest.mark.slow
 def test_a_tiny_run_counts_the_canary_and_times_a_switch_and_its_rollback(out: Path,  # noqa: F811
                                                                           tmp_path: Path) -> None:
@@ -46,6 +48,7 @@ def test_a_tiny_run_counts_the_canary_and_times_a_switch_and_its_rollback(out: P
     assert leftovers(str(out)) == []
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("flags, message", [
     (["--canary-percent", "0"], "--canary-percent must be in (0, 100)"),
     (["--canary-percent", "100"], "--canary-percent must be in (0, 100)"),

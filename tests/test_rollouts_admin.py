@@ -29,7 +29,7 @@ from .test_admin_api import EXT_PROC_CLUSTER, Admin, assert_error
 from .test_telemetry import FakeWorkerMetrics
 from .xds_client import DeltaClient, SotwClient
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 FAMILY = "all-MiniLM-L6-v2"
 INT8, FP32 = f"{FAMILY}-int8", f"{FAMILY}-fp32"

@@ -39,7 +39,7 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.servers, pytest.mark.slow])])
 def open_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], OperatorStore]]:
     """Opens the store under test (again and again: each open is a restart); closes every one."""
     opened: list[OperatorStore] = []

@@ -121,6 +121,7 @@ class RecordingObserver:
         self.calls.append((endpoint_id, ok, duration_s))
 
 
+@pytest.mark.servers
 def test_telemetry_arrives_then_unhealthy_when_down_and_healthy_when_back() -> None:
     async def main() -> None:
         metrics = FakeWorkerMetrics()
@@ -165,6 +166,7 @@ def test_telemetry_arrives_then_unhealthy_when_down_and_healthy_when_back() -> N
     run(main)
 
 
+@pytest.mark.servers
 def test_scrape_once_reports_non_worker_targets_and_http_errors() -> None:
     async def main() -> None:
         async def other(request: Request) -> Response:
@@ -193,6 +195,7 @@ def test_scrape_once_reports_non_worker_targets_and_http_errors() -> None:
     run(main)
 
 
+@pytest.mark.servers
 def test_first_scrape_has_no_window_and_a_restart_is_not_negative() -> None:
     async def main() -> None:
         holder = {"metrics": FakeWorkerMetrics()}

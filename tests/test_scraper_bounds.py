@@ -24,6 +24,8 @@ from .conftest import free_port
 from .test_scraper import DEADLINE_S, metrics_app, run, serving, until
 from .test_telemetry import FakeWorkerMetrics
 
+pytestmark = pytest.mark.servers
+
 
 class DripServer:
     """An HTTP/1.1 server that answers 200 with a valid worker /metrics body, ``chunk`` bytes every ``gap_s``:

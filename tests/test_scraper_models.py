@@ -126,6 +126,7 @@ def test_what_an_endpoint_serves_survives_failed_scrapes_and_follows_the_worker(
 # --- the real scraper over HTTP -----------------------------------------------------------------------------
 
 
+@pytest.mark.servers
 def test_the_scraper_reads_the_catalogue_over_http_and_logs_bad_names_once(caplog: pytest.LogCaptureFixture) -> None:
     metrics = ModelWorkerMetrics(GOOD)
 

@@ -172,6 +172,7 @@ def counter() -> TokenCounter:
     return TokenCounter.from_package()
 
 
+@pytest.mark.servers
 def test_a_sheddable_request_is_shed_before_waiting_in_the_fair_queue(counter: TokenCounter) -> None:
     """One request in flight fills the fair queue's depth (1): later ones wait their turn there. A sheddable
     request the chain would shed hears its 429 at once, not after waiting behind every higher class; one the
@@ -242,6 +243,7 @@ SHEDDABLE = {"x-gateway-inference-objective": "sheddable"}
 BUSY = dataclasses.replace(A, telemetry={"inflight": 1000.0})  # seconds of queued work: over any SLO
 
 
+@pytest.mark.servers
 @pytest.mark.parametrize("cache,extra,at_headers", [
     (False, {}, True),  # nothing needs the body first: 429 before Envoy buffers it
     (True, {}, False),  # a cache hit would cost no worker: the lookup comes first, then the shed
@@ -278,6 +280,7 @@ def test_a_sheddable_request_is_shed_at_its_headers_unless_the_cache_could_answe
     asyncio.run(scenario())
 
 
+@pytest.mark.servers
 def test_on_an_idle_fleet_only_a_body_too_large_for_the_slo_is_shed_at_its_headers(counter: TokenCounter) -> None:
     """The content-length bounds the request's cost from below (HEADERS_BYTES_PER_TOKEN): 2 MB of body is at
     least 200,000 tokens, far over the SLO even on an idle worker; a small body, or none announced, goes on."""

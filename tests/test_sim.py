@@ -156,6 +156,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           cwd=ROOT, timeout=120)
 
 
+@pytest.mark.subprocess
 def test_cli_writes_json_and_prints_the_table(tmp_path: Path) -> None:
     toml = tmp_path / "tiny.toml"
     toml.write_text('name = "tiny"\nduration_s = 2.0\nwarmup_s = 0.5\nloads = [0.5]\nslowdown = false\n'
@@ -170,6 +171,7 @@ def test_cli_writes_json_and_prints_the_table(tmp_path: Path) -> None:
     assert all(r.source == "sim" and r.completed > 0 and r.cdf for r in results)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, message", [
     (["--loads", "fast"], "--loads"),
     (["--configurations", "envoy_magic"], "unknown configuration"),
@@ -183,6 +185,7 @@ def test_cli_bad_input_exits_2_with_a_message(args: list[str], message: str) -> 
     assert message in done.stderr
 
 
+@pytest.mark.subprocess
 def test_validate_pairs_live_and_sim_and_flags_differences(tmp_path: Path) -> None:
     scenario = small(capacity_rps=40.0)
     same, _ = simulate(scenario, "envoy_least_request", 0.6)

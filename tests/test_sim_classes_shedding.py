@@ -179,6 +179,7 @@ def test_the_overload_scenario_file_loads() -> None:
     assert scenario.workload.classes == MIX and scenario.loads == (1.3,) and scenario.shed_slo_ms > 0
 
 
+@pytest.mark.subprocess
 def test_cli_prints_the_class_table_and_takes_the_shed_slo(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     done = subprocess.run([sys.executable, "-m", "inferlb.cli", "sim", "--scenario", str(ROOT / "scenarios" / "overload.toml"),

@@ -50,6 +50,7 @@ def test_every_held_request_completes_and_a_shallower_gate_holds_more() -> None:
     assert shallow.extra["ext_proc_held"] > deep.extra["ext_proc_held"]
 
 
+@pytest.mark.subprocess
 def test_a_negative_depth_is_refused() -> None:
     fleet = SimFleet(Fleet(workers=(WorkerSpec(1.0),)))
     with pytest.raises(ValueError, match="fair_queue_depth must be >= 0"):

@@ -197,6 +197,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("scenario", sorted((ROOT / "scenarios").glob("*.toml")), ids=lambda p: p.stem)
 def test_cli_runs_inferlb_against_the_clairvoyant_on_every_scenario_file(scenario: Path, tmp_path: Path) -> None:
     # Shortened and shrunk to 8 workers so that sim_scale's 10,000 take seconds; the file's other settings stay.
@@ -219,12 +220,14 @@ def test_cli_runs_inferlb_against_the_clairvoyant_on_every_scenario_file(scenari
     assert "p99 / best oracle" in done.stdout
 
 
+@pytest.mark.subprocess
 def test_cli_oracles_flag_adds_both() -> None:
     done = _cli("--scenario", str(ROOT / "scenarios" / "smoke.toml"), "--oracles")
     assert done.returncode == 0, done.stderr
     assert f"| {ORACLE_CENTRAL_QUEUE} | steady |" in done.stdout and f"| {ORACLE_CLAIRVOYANT} | steady |" in done.stdout
 
 
+@pytest.mark.subprocess
 def test_cli_refuses_an_unknown_configuration_listing_the_valid_ones() -> None:
     done = _cli("--configurations", "inferlb_ext_proc,oracle_magic")
     assert done.returncode == 2

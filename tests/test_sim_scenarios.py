@@ -80,6 +80,7 @@ def test_a_slowed_worker_recovers_after_duration_s() -> None:
     assert np.sum(b["latency"] < a["latency"] - 1e-9) > 50
 
 
+@pytest.mark.subprocess
 def test_summary_has_figures_per_run_and_no_per_request_data(tmp_path: Path) -> None:
     out, full = tmp_path / "summary.json", tmp_path / "full.json"
     done = subprocess.run([sys.executable, "-m", "inferlb.cli", "sim", "--scenario", str(SCENARIOS / "smoke.toml"),

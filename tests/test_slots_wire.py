@@ -21,7 +21,7 @@ from ext_proc.xds_client import XdsClient, XdsClientSettings
 from .stack import running_control_plane, running_sim_workers, sample
 from .test_ext_proc_service import until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 
 def test_slots_reach_ext_proc_and_spread_the_work_it_costs(tmp_path: Path) -> None:

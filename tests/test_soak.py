@@ -123,6 +123,9 @@ def test_plan_problems_name_the_bad_argument() -> None:
     assert any("--every" in p for p in SoakPlan(duration_s=10, every_s=5).problems())
 
 
+@pytest.mark.slow
+@pytest.mark.servers
+@pytest.mark.envoy
 def test_a_short_soak_of_the_real_stack_reports_every_process_and_no_error(tmp_path: Path) -> None:
     plan = SoakPlan(duration_s=6.0, load=0.2, workers=2, every_s=1.0, warmup=0.2)
     lines: list[str] = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,7 @@ import pytest
 
 from .conftest import ROOT, free_port, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 
 @dataclass
@@ -201,8 +200,7 @@ def test_up_simulated_status_in_flight_request_survives_ctrl_c_and_nothing_is_le
     assert "no inferlb stack is running" in after.stdout
 
 
-@pytest.mark.skipif(shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None,
-                    reason="nginx is not installed (make test installs it)")
+@pytest.mark.nginx
 def test_up_with_the_nginx_dataplane_serves_and_leaves_nothing(tmp_path: Path) -> None:
     data_dir = tmp_path / "data"
     with inferlb_up(data_dir, tmp_path, "--simulate", "--dataplane", "nginx", workers=2) as up:

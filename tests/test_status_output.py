@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from inferlb.stack_state import ComponentStatus, StackLock, StackStatus, write_status
 from inferlb.status import EXIT_NOT_READY, EXIT_NOT_RUNNING, status_hint
 
@@ -25,6 +27,7 @@ def status_into_closed_pipe(data_dir: Path, *flags: str) -> subprocess.Completed
         os.close(write_end)
 
 
+@pytest.mark.subprocess
 def test_status_into_a_closed_pipe_without_a_stack_is_quiet(tmp_path: Path) -> None:
     for flags in ((), ("--json",)):
         out = status_into_closed_pipe(tmp_path, *flags)
@@ -32,6 +35,7 @@ def test_status_into_a_closed_pipe_without_a_stack_is_quiet(tmp_path: Path) -> N
         assert out.returncode == EXIT_NOT_RUNNING
 
 
+@pytest.mark.subprocess
 def test_status_json_into_a_closed_pipe_with_a_stack_is_quiet(tmp_path: Path) -> None:
     stack = StackStatus(supervisor_pid=os.getpid(), started_at=1000.0, data_dir=str(tmp_path), dataplane="envoy",
                         components=tuple(ComponentStatus(f"worker:{port}", "starting",
@@ -45,6 +49,7 @@ def test_status_json_into_a_closed_pipe_with_a_stack_is_quiet(tmp_path: Path) ->
     assert out.returncode == EXIT_NOT_READY  # the exit status still says what it would say on a terminal
 
 
+@pytest.mark.subprocess
 def test_status_json_still_prints_whole(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "inferlb.cli", "status", "--json", "--data-dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, check=False, timeout=60)

@@ -164,6 +164,7 @@ def test_a_read_only_directory_is_refused(tmp_path: Path) -> None:
         os.chmod(tmp_path / "ro", stat.S_IRWXU)
 
 
+@pytest.mark.subprocess
 def test_the_control_plane_refuses_to_start_on_a_corrupt_database(tmp_path: Path) -> None:
     (tmp_path / DB_NAME).write_bytes(b"\x00garbage" * 1000)
     done = subprocess.run([sys.executable, "-m", "control_plane", "--data-dir", str(tmp_path), "--admin-port", "1",

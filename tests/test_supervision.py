@@ -47,6 +47,8 @@ def readyz(cp: ControlPlane):  # type: ignore[no-untyped-def]
         return client.get(f"{cp.admin_url}/readyz")
 
 
+@pytest.mark.servers
+@pytest.mark.envoy
 @pytest.mark.slow
 def test_a_failing_publish_makes_readyz_503_is_counted_and_publishing_resumes(tmp_path: Path) -> None:
     fault = tmp_path / "publish-fault"

@@ -22,7 +22,7 @@ from .stack import ControlPlane, Envoy, Proc, running_control_plane, running_env
     wait_for
 from .test_telemetry import FakeWorkerMetrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 
 class BadMetricsServer:

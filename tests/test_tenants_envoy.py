@@ -24,7 +24,7 @@ from inferlb_runtime.api_keys import Quota
 
 from .stack import http, running_gateway, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 pytest_plugins = ("tests.redis_server",)  # the redis_url fixture: Debian's redis-server, started for the suite
 
 REQUIRE = {"INFERLB_CP_DATA_PLANE__REQUIRE_API_KEYS": "true"}

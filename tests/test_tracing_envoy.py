@@ -33,7 +33,7 @@ from .stack import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 INT8 = "all-MiniLM-L6-v2-int8"
 ENVOY, EXT_PROC, WORKER = "inferlb-envoy", "inferlb-ext-proc", "inferlb-worker"

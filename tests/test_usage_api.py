@@ -22,7 +22,7 @@ from .stack import ControlPlane, running_control_plane
 from .test_admin_api import Admin, assert_error
 from .test_usage_store import counters
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 HOUR = 3600
 DAY = 24 * HOUR

@@ -14,7 +14,7 @@ import pytest
 
 from .stack import http, running_gateway, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 
 def test_requests_through_envoy_are_read_back_from_v1_usage(tmp_path: Path) -> None:

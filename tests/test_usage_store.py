@@ -143,7 +143,7 @@ def test_a_long_node_id_is_kept_as_its_hash() -> None:
 # --- the stores ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.servers, pytest.mark.slow])])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[OperatorStore]:
     if request.param == "sqlite":
         opened: OperatorStore = Store.open(tmp_path)

@@ -33,7 +33,7 @@ from .stack import ControlPlane, running_control_plane
 from .test_envoy_integration import entered_in_thread
 from .test_scraper import serving
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
 
 pytest_plugins = ("tests.postgres",)  # the postgres_url fixture
 

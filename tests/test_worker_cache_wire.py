@@ -19,7 +19,7 @@ import pytest
 from .conftest import WorkerProcess, running_worker
 from .stack import prometheus_samples, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.model]
 
 INT8, FP32 = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32"
 LONG_WORDS = " ".join(["scheduling"] * 300)  # truncated at the model's 256 tokens

@@ -42,7 +42,7 @@ from .stack import (
 from .test_ext_proc_envoy import ready_through_ext_proc
 from .test_pick_plugins_envoy import admin
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 OBJECTIVE = "x-gateway-inference-objective"
 LONG_TEXT = " ".join(["load balancing"] * 150)  # one input the model truncates at 256 tokens

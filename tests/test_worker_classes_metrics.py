@@ -14,6 +14,8 @@ from control_plane.telemetry import parse_sample
 
 from .stack import SimWorker, http, prometheus_samples, running_sim_workers, sample
 
+pytestmark = [pytest.mark.slow, pytest.mark.servers]
+
 OBJECTIVE = "x-gateway-inference-objective"
 
 

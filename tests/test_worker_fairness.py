@@ -20,7 +20,7 @@ import pytest
 from .conftest import WorkerProcess, running_worker
 from .stack import prometheus_samples, sample, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.model]
 
 # One input the model truncates at 256 tokens; 64 of them are the largest request the worker accepts.
 LONG_TEXT = " ".join(["load balancing"] * 150)

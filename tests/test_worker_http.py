@@ -17,7 +17,7 @@ from workers.tokenization import load_tokenizer
 
 from .conftest import WorkerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.model]
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

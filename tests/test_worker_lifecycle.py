@@ -22,7 +22,7 @@ from workers.tokenization import load_tokenizer
 
 from .conftest import free_port, running_worker, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.model]
 
 
 class _InProcessServer(uvicorn.Server):

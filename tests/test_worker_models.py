@@ -53,6 +53,8 @@ def samples(worker: WorkerProcess) -> dict[tuple[str, frozenset], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 def test_models_lists_every_version_with_its_family_and_aliases(both: WorkerProcess) -> None:
     doc = httpx.get(f"{both.url}/v1/models", timeout=10).json()
@@ -65,6 +67,8 @@ def test_models_lists_every_version_with_its_family_and_aliases(both: WorkerProc
     assert ready == {"status": "ready", "model": INT8, "models": [INT8, FP32]}
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "expected"), [
     (INT8, INT8), (FP32, FP32),
@@ -78,6 +82,8 @@ def test_the_body_model_picks_the_version_and_the_answer_names_it(
     assert served(embed(both, body)) == (expected, expected)
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 def test_the_header_wins_over_the_body(both: WorkerProcess) -> None:
     by_header = embed(both, {"input": TEXT, "model": INT8}, {"x-inferlb-model": FP32})
@@ -86,6 +92,8 @@ def test_the_header_wins_over_the_body(both: WorkerProcess) -> None:
     assert served(embed(both, {"input": TEXT}, {"x-inferlb-model": INT8})) == (INT8, INT8)
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 def test_int8_and_fp32_are_different_models_of_the_same_meaning(both: WorkerProcess, reference: dict) -> None:
     text = reference["items"][0]["text"]
@@ -97,6 +105,8 @@ def test_int8_and_fp32_are_different_models_of_the_same_meaning(both: WorkerProc
     assert cosine(fp32, expected) >= 0.9999  # fp32 is the reference model itself
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize(("body", "headers", "param"), [
     ({"input": TEXT, "model": "gpt-4"}, {}, "model"),
@@ -116,6 +126,8 @@ def test_a_model_this_worker_does_not_serve_is_404_saying_what_it_serves(
     assert "x-inferlb-model" not in response.headers  # no version served it
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 def test_a_malformed_model_header_is_400(both: WorkerProcess) -> None:
     response = embed(both, {"input": TEXT}, {"x-inferlb-model": "no spaces allowed"})
@@ -125,6 +137,8 @@ def test_a_malformed_model_header_is_400(both: WorkerProcess) -> None:
     assert "x-inferlb-model" in error["message"] and "'no spaces allowed'" in error["message"]
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 def test_metrics_say_what_the_worker_serves_and_count_per_version(both: WorkerProcess) -> None:
     before = samples(both)
@@ -197,6 +211,8 @@ def test_a_models_entry_that_is_not_a_list_of_strings_is_refused(tmp_path: Path)
         load_config(toml, environ={})
 
 
+@pytest.mark.subprocess
+@pytest.mark.model
 @pytest.mark.slow
 def test_the_worker_exits_2_naming_an_unknown_version() -> None:
     done = subprocess.run([sys.executable, "-m", "workers", "--models", f"{INT8},nope", "--port", "1"], cwd=ROOT,

@@ -41,6 +41,8 @@ def vectors(response: httpx.Response) -> np.ndarray:
     return np.array([item["embedding"] for item in response.json()["data"]])
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 def test_the_worker_lists_both_families(mixed: WorkerProcess) -> None:
     doc = httpx.get(f"{mixed.url}/v1/models", timeout=10).json()
@@ -55,6 +57,8 @@ def test_the_worker_lists_both_families(mixed: WorkerProcess) -> None:
                                                              "aliases": f"{PARAPHRASE_L3},{L3_HF_NAME}"}.items()))] == 1
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize(("body_model", "header", "expected"), [
     (PARAPHRASE_L3, None, PARAPHRASE_L3), (L3_HF_NAME, None, PARAPHRASE_L3),
@@ -68,6 +72,8 @@ def test_each_family_is_served_by_its_names(
     assert served(embed(mixed, body, {"x-inferlb-model": header} if header else None)) == (expected, expected)
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 def test_l3_vectors_are_unit_length_its_own_and_sensible(mixed: WorkerProcess) -> None:
     texts = [*PARAPHRASES, UNRELATED]
@@ -82,6 +88,8 @@ def test_l3_vectors_are_unit_length_its_own_and_sensible(mixed: WorkerProcess) -
     np.testing.assert_allclose(l3[1], alone, atol=1e-5)
 
 
+@pytest.mark.servers
+@pytest.mark.model
 @pytest.mark.slow
 def test_l3_truncates_at_128_tokens_or_refuses_as_minilm_does_at_256(mixed: WorkerProcess) -> None:
     def tokens(body: dict) -> int:

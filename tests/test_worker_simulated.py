@@ -78,6 +78,8 @@ def one_slot_worker(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[n
         yield w
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_two_slots_serve_two_at_once_and_queue_the_third(two_slot_worker: SimWorker) -> None:
     seen_queued = []
 
@@ -98,6 +100,8 @@ def test_two_slots_serve_two_at_once_and_queue_the_third(two_slot_worker: SimWor
     assert all(r.headers["x-inferlb-worker"] == two_slot_worker.id for r in responses)
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_one_slot_serves_them_one_after_another(one_slot_worker: SimWorker) -> None:
     timings = sorted((timing(r) for r in concurrent_posts(one_slot_worker, 3)), key=lambda t: t["queue"])
     assert timings[0]["queue"] < JOB_MS / 2
@@ -105,6 +109,8 @@ def test_one_slot_serves_them_one_after_another(one_slot_worker: SimWorker) -> N
     assert timings[2]["queue"] > 1.5 * JOB_MS
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_the_orca_header_reports_the_queue_while_requests_wait(one_slot_worker: SimWorker) -> None:
     responses = concurrent_posts(one_slot_worker, 3)
     # the first to finish answered while the other two were waiting or running: one of them still queued
@@ -113,6 +119,8 @@ def test_the_orca_header_reports_the_queue_while_requests_wait(one_slot_worker: 
     assert max(queues) >= 1 and min(queues) == 0
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_speed_changes_at_run_time_change_the_compute(one_slot_worker: SimWorker) -> None:
     base = timing(post(one_slot_worker))["compute"]
     one_slot_worker.set_speed(4.0)
@@ -128,6 +136,8 @@ def test_speed_changes_at_run_time_change_the_compute(one_slot_worker: SimWorker
     assert faster < base
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_service_time_grows_with_tokens(tmp_path: Path) -> None:
     # per-token only: 1 ms per token, so a 100-token request needs >= 100 ms and a 3-token one >= 3 ms
     args = ("--sim-fixed-ms", "0", "--sim-per-token-us", "1000")
@@ -139,6 +149,7 @@ def test_service_time_grows_with_tokens(tmp_path: Path) -> None:
     assert timing(long)["compute"] > timing(short)["compute"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("flag", "value", "message"), [
     ("--sim-slots", "0", "--sim-slots must be >= 1"),
     ("--sim-cost-scale", "0", "--sim-cost-scale must be > 0"),
@@ -149,12 +160,15 @@ def test_bad_simulation_flags_exit_2_with_a_message(flag: str, value: str, messa
     assert done.returncode == 2 and message in done.stderr
 
 
+@pytest.mark.subprocess
 def test_help_documents_the_slot_flags() -> None:
     done = subprocess.run([sys.executable, "-m", "workers", "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0 and "--sim-slots" in done.stdout and "--sim-cost-scale" in done.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_a_simulated_worker_serves_versions_at_their_own_cost(tmp_path: Path) -> None:
     """Two versions on one slot: fp32 costs 3x (--model-cost), each names itself, their vectors differ, an
     unknown model is a 404 and the per-version metrics count."""
@@ -182,6 +196,7 @@ def test_a_simulated_worker_serves_versions_at_their_own_cost(tmp_path: Path) ->
     assert sample(samples, "inferlb_worker_pool_info", pool="sim") == 1
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(("args", "message"), [
     (("--simulate", "--model-cost", "all-MiniLM-L6-v2-fp32=2"), "names 'all-MiniLM-L6-v2-fp32', which this worker does not serve"),
     (("--simulate", "--model-cost", "all-MiniLM-L6-v2-int8=0"), "is not VERSION=SCALE with SCALE > 0"),
@@ -194,6 +209,8 @@ def test_bad_model_costs_exit_2_with_a_message(args: tuple[str, ...], message: s
     assert done.returncode == 2 and message in done.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.servers
 def test_the_simulated_fault_answers_500_at_once_and_counts_it(one_slot_worker: SimWorker) -> None:
     with http() as client:
         url = f"{one_slot_worker.url}/v1/simulation"

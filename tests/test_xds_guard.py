@@ -49,6 +49,8 @@ from tests.test_xds_server import (
 )
 from tests.xds_client import CHANNEL_OPTIONS, DeltaClient, SotwClient
 
+pytestmark = pytest.mark.servers
+
 ALLOWED = frozenset({"inferlb", "inferlb-ext-proc"})
 MODES = pytest.mark.parametrize("client_type", [SotwClient, DeltaClient], ids=["sotw", "delta"])
 REFUSED_STREAM = 0x7

@@ -31,6 +31,8 @@ from .stack import prometheus_samples, sample
 from .test_xds_server import acked, envoy_like_sync, run, snapshot, synced, type_status, until, xds_server
 from .xds_client import SotwClient
 
+pytestmark = pytest.mark.servers
+
 HOUR = 3600.0
 
 

@@ -30,7 +30,7 @@ from .stack import (
 )
 from .xds_client import SotwClient
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy]
 
 
 def control_plane_tls(server: Identity) -> dict[str, str]:

@@ -37,6 +37,8 @@ from control_plane.xds.snapshot import Encoded
 from tests.conftest import free_port
 from tests.xds_client import DeltaClient, Received, SotwClient
 
+pytestmark = pytest.mark.servers
+
 T = TypeVar("T")
 EPOCH = "e1"
 WORKERS = {"10.0.0.1:8101": 100, "10.0.0.2:8102": 100}
