@@ -193,11 +193,30 @@ def cmd_status_args(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """``inferlb`` and its commands: ``up``, ``status``, ``bench ...`` and ``sim``."""
     parser = argparse.ArgumentParser(
         prog="inferlb",
         description="inferlb: response-time-aware load balancing for small AI models on CPUs.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_up_parser(sub)
+    status = sub.add_parser(
+        "status",
+        help="show what `inferlb up` runs",
+        description="Show each component of the stack running on a data directory: state, pid, uptime, "
+        "readiness URL (each probed now). Exit status: 0 every component ready, 1 something is not, "
+        "3 no stack is running there.",
+    )
+    status.add_argument("--data-dir", type=Path, help="the stack's data dir (default $INFERLB_DATA_DIR or ./.inferlb)")
+    add_status_arguments(status)
+    status.set_defaults(func=cmd_status_args)
+    add_bench_parser(sub)
+    add_sim_parser(sub)
+    return parser
+
+
+def _add_up_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``inferlb up``: what runs, its settings, then its ports."""
     up = sub.add_parser(
         "up",
         help="run the local stack until Ctrl-C",
@@ -245,6 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--quota-store", metavar="URL",
                     help="where ext_proc keeps the tenants' quota counters: memory (default, one replica) or a "
                     "redis:// URL shared by several replicas")
+    _add_port_arguments(up)
+    up.set_defaults(func=cmd_up)
+
+
+def _add_port_arguments(up: argparse.ArgumentParser) -> None:
+    """The stack's ports, each with its default (``StackPorts``)."""
     defaults = StackPorts()
     up.add_argument("--listener-port", type=int, default=defaults.listener,
                     help="Envoy's or NGINX's listener (default 10000)")
@@ -255,20 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ext-proc-port", type=int, default=defaults.ext_proc, help="ext_proc gRPC (default 9002)")
     up.add_argument("--ext-proc-metrics-port", type=int, default=defaults.ext_proc_metrics,
                     help="ext_proc /metrics (default 9090)")
-    up.set_defaults(func=cmd_up)
-    status = sub.add_parser(
-        "status",
-        help="show what `inferlb up` runs",
-        description="Show each component of the stack running on a data directory: state, pid, uptime, "
-        "readiness URL (each probed now). Exit status: 0 every component ready, 1 something is not, "
-        "3 no stack is running there.",
-    )
-    status.add_argument("--data-dir", type=Path, help="the stack's data dir (default $INFERLB_DATA_DIR or ./.inferlb)")
-    add_status_arguments(status)
-    status.set_defaults(func=cmd_status_args)
-    add_bench_parser(sub)
-    add_sim_parser(sub)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
