@@ -267,6 +267,9 @@ class ApiKeyOut(BaseModel):
     max_tokens_in_flight: int | None
     created_at: float = Field(description="unix time")
     revoked_at: float | None = Field(description="unix time of the (first) revocation; null: live")
+    reserved_tenant: bool = Field(False, description="true: the tenant is a name ext_proc's metrics give traffic "
+                                  "without a tenant (anonymous, other), so its usage mixes with that traffic; a key "
+                                  "stored before such names were refused: revoke it and issue one under another name")
 
 
 class ApiKeyCreated(ApiKeyOut):

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.servers]
 pytest_plugins = ("tests.postgres",)  # the postgres_url fixture
 
 FIELDS = {"id", "key_hint", "tenant", "name", "priority", "weight", "tokens_per_minute", "requests_per_minute",
-          "max_tokens_in_flight", "created_at", "revoked_at"}
+          "max_tokens_in_flight", "created_at", "revoked_at", "reserved_tenant"}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from inferlb_runtime.api_keys import KEY_PREFIX, Quota, hash_key, new_key
 from inferlb_runtime.request_class import PRIORITIES
 
 from ..api_models import KEY_HINT_LENGTH, ApiKeyCreate, ApiKeyCreated, ApiKeyList, ApiKeyOut, UsageReport
+from ..reserved_tenants import is_reserved, reserved_message, warn_reserved
 from ..store import StoredApiKey, StoreError, live_key_entries
 from ..usage.query import BadUsageQuery, Granularity, usage_query, usage_report
 from .actions import Actions, now_us
@@ -34,6 +35,7 @@ class TenantActions:
     def __init__(self, actions: Actions, api_keys: Iterable[StoredApiKey] = ()) -> None:
         self.actions = actions
         self._api_keys: dict[str, StoredApiKey] = {k.id: k for k in api_keys}
+        warn_reserved(self._api_keys.values(), log)  # at start: kept and flagged, never deleted
 
     def api_keys(self, tenant: str | None = None, include_revoked: bool = False) -> ApiKeyList:
         keys = sorted(self._api_keys.values(), key=lambda k: (k.created_at, k.id))
@@ -50,7 +52,11 @@ class TenantActions:
         return key
 
     async def create_api_key(self, body: ApiKeyCreate) -> ApiKeyCreated:
-        """A new key: stored as its hash, pushed to ext_proc at once; the key itself is in this answer only."""
+        """A new key: stored as its hash, pushed to ext_proc at once; the key itself is in this answer only.
+
+        422 ``tenant_reserved`` for a tenant name the metrics give unkeyed or overflow traffic."""
+        if is_reserved(body.tenant):
+            raise ApiError(422, "tenant_reserved", reserved_message(body.tenant), {"tenant": body.tenant})
         key = new_key()
         record = StoredApiKey(
             id=f"key_{secrets.token_hex(8)}", tenant=body.tenant, key_hash=hash_key(key),

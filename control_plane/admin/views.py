@@ -36,6 +36,7 @@ from ..api_models import (
 from ..model import Endpoint, FleetState, Telemetry
 from ..nginx.applier import NginxApplier
 from ..policy_registry import WeightPolicyRegistry
+from ..reserved_tenants import is_reserved
 from ..store import StoredApiKey, StoredRollout
 from ..telemetry import is_stale
 from ..type_urls import SHORT_NAMES
@@ -121,7 +122,7 @@ def api_key_out(key: StoredApiKey) -> ApiKeyOut:
     return ApiKeyOut(id=key.id, key_hint=key.key_hint, tenant=key.tenant, name=key.name,
                      priority=key.priority.name.lower(), weight=key.weight, tokens_per_minute=q.tokens_per_minute,
                      requests_per_minute=q.requests_per_minute, max_tokens_in_flight=q.max_tokens_in_flight,
-                     created_at=key.created_at, revoked_at=key.revoked_at)
+                     created_at=key.created_at, revoked_at=key.revoked_at, reserved_tenant=is_reserved(key.tenant))
 
 
 def _split(rollout: Rollout) -> RolloutSplit:

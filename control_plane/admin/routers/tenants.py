@@ -16,7 +16,7 @@ from inferlb_runtime.api_keys import TENANT_PATTERN
 from ...api_models import ApiKeyCreate, ApiKeyCreated, ApiKeyList, ApiKeyOut, UsageReport
 from ...usage.query import Granularity
 from ..access import API_KEYS_PATH, USAGE_PATH
-from ..errors import E400, E401, E404_KEY, E422, E422_USAGE, E503, responses
+from ..errors import E400, E401, E404_KEY, E422, E422_KEY, E422_USAGE, E503, responses
 from ..tenant_actions import TenantActions
 
 ApiKeyId = typing.Annotated[str, Path(description="the key's id (not the key)", examples=["key_0123456789abcdef"],
@@ -28,7 +28,7 @@ def api_keys_router(tenants: TenantActions, auth: Sequence[Depends]) -> APIRoute
 
     @router.post("", response_model=ApiKeyCreated, status_code=201,
                  summary="Create an API key for a tenant: the key is in this answer only (stored as its hash)",
-                 responses=responses(E400, E422, E503))
+                 responses=responses(E400, E422_KEY, E503))
     async def create_api_key(body: ApiKeyCreate, response: Response) -> ApiKeyCreated:
         out = await tenants.create_api_key(body)
         response.headers["Location"] = f"{API_KEYS_PATH}/{out.id}"
