@@ -252,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def config_problems(exc: ValidationError) -> str:
+    """pydantic's errors, one a line, without the values given: pydantic would print a bad ``store`` URL
+    whole, its password included."""
+    return "\n".join(f"  {'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}"
+                     for err in exc.errors(include_url=False, include_input=False))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("config", "dataplane")}
@@ -263,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         WeightPolicyRegistry(config.policy_allowlist).make(config.weight_policy, config.weight_params)
         config.data_plane.settings()  # and a bad OTEL_* variable (Envoy's tracing comes from them)
     except (ValidationError, ValueError, OSError) as exc:
-        print(f"python -m control_plane: invalid configuration:\n{exc}", file=sys.stderr)
+        problems = config_problems(exc) if isinstance(exc, ValidationError) else str(exc)
+        print(f"python -m control_plane: invalid configuration:\n{problems}", file=sys.stderr)
         return 2
     configure_json_logging("control_plane", config.log_level)
     try:

@@ -6,7 +6,8 @@ Where from, first found wins:
 2. ``admin_token`` in the config (file table ``[control_plane]`` or
    ``INFERLB_CP_ADMIN_TOKEN``);
 3. the file ``<data_dir>/admin-token``: reused when it exists; otherwise a
-   new token (``secrets.token_urlsafe(32)``) is written there, mode 0600.
+   new token (``secrets.token_urlsafe(32)``) is written there, mode 0600 (the
+   directory, when it has to be created, 0700: ``private_files``).
 
 Writing it is atomic: the token goes to a temporary file in the same
 directory (mode 0600), is fsynced, and only then renamed to its name (and
@@ -41,6 +42,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from .private_files import make_private_dir, restrict_to_owner
 
 log = logging.getLogger("inferlb.control_plane.auth")
 
@@ -98,7 +101,7 @@ def resolve_admin_token(configured: str | None, data_dir: Path, environ: Mapping
         return AdminToken(_valid(configured, "the config"), "config")
     path = Path(data_dir) / TOKEN_FILE
     try:
-        Path(data_dir).mkdir(parents=True, exist_ok=True)
+        make_private_dir(Path(data_dir))
         return _read_or_create(path)
     except OSError as exc:
         raise TokenError(f"{path}: cannot read or create the admin token file: {exc.strerror or exc}") from exc
@@ -169,10 +172,7 @@ def _read(path: Path) -> AdminToken | None:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise TokenError(f"{path}: the admin token file is not a regular file")
-        if info.st_mode & 0o077:
-            os.fchmod(fd, 0o600)
-            log.warning("the admin token file was readable by others: set its mode to 0600",
-                        extra={"token_file": str(path)})
+        restrict_to_owner(fd, path, log)
         data = os.read(fd, 4096).decode("utf-8", "replace")
     finally:
         os.close(fd)

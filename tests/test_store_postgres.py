@@ -304,7 +304,7 @@ def test_with_the_database_away_mutations_answer_503_and_the_state_stays(
             response = await ca.put("/v1/endpoints/127.0.0.1:8101/weight", json={"weight": 10})
             assert response.status_code == 503
             assert response.json()["error"]["code"] == "store_unavailable"
-            assert "cannot connect" in response.json()["error"]["detail"]["store"]
+            assert "cannot connect" not in response.text and "127.0.0.1" not in response.text
             assert a.controller.state == before and before.endpoint("127.0.0.1:8101").pinned_weight == 9
             assert (await ca.get("/v1/endpoints")).status_code == 200
             await asyncio.to_thread(_unblock, postgres_server, database)

@@ -40,9 +40,17 @@ class Actions:
         try:
             return await write(self.store)
         except StoreError as exc:
-            log.error("store write failed: nothing changed", extra={"error": str(exc)})
-            raise ApiError(503, "store_unavailable", "the change could not be saved; nothing changed",
-                           {"store": str(exc)}) from exc
+            raise store_unavailable("the change could not be saved; nothing changed", exc) from exc
+
+
+def store_unavailable(message: str, exc: StoreError) -> ApiError:
+    """The 503 for a failed store call, the store's error logged (under the request's id) and not in the answer.
+
+    A store error names the database (a file path, a PostgreSQL host and user) and what the driver said: the
+    operator's log is the place for that, not an HTTP body."""
+    log.error(message, extra={"error": str(exc)})  # StoreError's text has the URL's secrets removed
+    return ApiError(503, "store_unavailable", message,
+                    {"store": "unavailable; the control plane's log has the error, under this answer's x-request-id"})
 
 
 def now_us() -> float:

@@ -38,6 +38,7 @@ from ..scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
 from ..telemetry import parse_families
 from . import dashboard_view as view
 from .dashboard_view import GatewayCounters, GatewayStatus, History, Sources
+from .errors import ApiError
 
 log = logging.getLogger("inferlb.control_plane.dashboard")
 
@@ -153,7 +154,10 @@ class DashboardFeed:
         try:
             models = await service.models()
         except Exception as exc:  # the store (503): the rest of the page still works
-            models_error = str(exc) or type(exc).__name__
+            # The answer's message or the kind, never the error's text (a store's names the database): the log has it.
+            if not isinstance(exc, ApiError):
+                log.exception("the model catalogue could not be read")
+            models_error = exc.message if isinstance(exc, ApiError) else f"unreadable ({type(exc).__name__})"
         targets = service.controller.ext_proc_targets()
         read, errors = await read_gateway(targets, self._scrape) if targets else ({}, {})
         now = time.monotonic()
@@ -184,8 +188,9 @@ class DashboardFeed:
                     seen = points[-1].seq if points else seen
                     yield sse_event("snapshot", {**snap, "points": [p.json() for p in points]})
                 except Exception as exc:  # a failed sample costs one update, never the stream
-                    log.exception("dashboard sample failed")
-                    yield sse_event("problem", {"message": f"sampling failed: {type(exc).__name__}: {exc}"})
+                    log.exception("dashboard sample failed")  # the details; the page gets the kind only
+                    yield sse_event("problem", {"message": f"sampling failed ({type(exc).__name__}); see the "
+                                                           "control plane's log"})
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.interval_s):
                         await closing.wait()

@@ -19,7 +19,7 @@ from inferlb_runtime.model_routing import Rollout
 
 from ..api_models import ModelCatalogueOut, RolloutList, RolloutOut, RolloutPut
 from ..store import StoredRollout, StoreError
-from .actions import Actions
+from .actions import Actions, store_unavailable
 from .errors import ApiError
 from .views import model_catalogue, rollout_out, served_versions
 
@@ -52,8 +52,7 @@ class RolloutActions:
         try:
             return (await store.aload()).rollouts
         except StoreError as exc:
-            raise ApiError(503, "store_unavailable", "the rollouts could not be read from the store",
-                           {"store": str(exc)}) from exc
+            raise store_unavailable("the rollouts could not be read from the store", exc) from exc
 
     async def models(self) -> ModelCatalogueOut:
         state = self.controller.state

@@ -22,7 +22,7 @@ from ..api_models import KEY_HINT_LENGTH, ApiKeyCreate, ApiKeyCreated, ApiKeyLis
 from ..reserved_tenants import is_reserved, reserved_message, warn_reserved
 from ..store import StoredApiKey, StoreError, live_key_entries
 from ..usage.query import BadUsageQuery, Granularity, usage_query, usage_report
-from .actions import Actions, now_us
+from .actions import Actions, now_us, store_unavailable
 from .errors import ApiError
 from .views import api_key_out
 
@@ -111,6 +111,4 @@ class TenantActions:
         try:
             return await usage_report(store, query)
         except StoreError as exc:
-            log.error("usage query failed", extra={"error": str(exc)})
-            raise ApiError(503, "store_unavailable", "usage could not be read from the store",
-                           {"store": str(exc)}) from exc
+            raise store_unavailable("usage could not be read from the store", exc) from exc

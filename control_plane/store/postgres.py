@@ -146,11 +146,19 @@ def check_url(url: str) -> str:
     return url
 
 
+# Query parameters of a libpq URL that hold a secret (``?password=`` works like the user info's).
+SECRET_PARAMETERS = ("password", "sslpassword")
+
+
 def scrub(text: str, url: str) -> str:
-    """``text`` without the URL's password (libpq quotes the URL in some parse errors)."""
+    """``text`` without the URL's secrets: the user info's password and ``?password=`` or ``?sslpassword=``
+    (libpq quotes the URL, or a parameter's value, in some errors)."""
     userinfo = url.partition("://")[2].rpartition("@")[0]
-    password = userinfo.partition(":")[2]
-    for secret in {password, unquote(password)} - {""}:
+    secrets_ = [userinfo.partition(":")[2]]
+    query = url.partition("?")[2]
+    secrets_ += [value for part in query.split("&") for name, _, value in [part.partition("=")]
+                 if unquote(name).lower() in SECRET_PARAMETERS]
+    for secret in sorted({s for raw in secrets_ for s in (raw, unquote(raw))} - {""}, key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
 

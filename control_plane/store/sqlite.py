@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from ..model import MAX_WEIGHT, MIN_WEIGHT, Endpoint
+from ..private_files import ensure_private_file, make_private_dir
 from . import rollouts, usage
 from .base import (
     API_KEY_COLUMNS,
@@ -55,6 +56,7 @@ from .base import (
 log = logging.getLogger("inferlb.control_plane.store")
 
 DB_NAME = "control-plane.db"
+SIDE_FILES = ("-wal", "-shm")  # SQLite's write-ahead log and its shared-memory index, next to the database
 T = TypeVar("T")
 
 
@@ -193,12 +195,20 @@ class Store(OneThreadStore):
 
     def _open(self, data_dir: Path) -> None:
         try:
-            data_dir.mkdir(parents=True, exist_ok=True)
+            make_private_dir(data_dir)
         except OSError as exc:
             raise StoreError(f"{self.path}: cannot create the data directory {data_dir}: "
                              f"{exc.strerror or exc}") from exc
         if self.path.exists() and not self.path.is_file():
             raise StoreError(f"{self.path}: exists and is not a file")
+        # Tenants, key hashes, quotas and usage: the owner's only. Created 0600 before SQLite opens it (SQLite
+        # gives its -wal and -shm files the database's mode); files left by an older version are tightened.
+        try:
+            ensure_private_file(self.path, log)
+            for suffix in SIDE_FILES:
+                ensure_private_file(self.path.with_name(self.path.name + suffix), log, create=False)
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot make the database private: {exc.strerror or exc}") from exc
         try:
             db = sqlite3.connect(self.path, isolation_level=None, timeout=10.0)
         except sqlite3.Error as exc:
