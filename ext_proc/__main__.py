@@ -26,6 +26,7 @@ from inferlb_runtime.pick_chain import PRESETS
 from inferlb_runtime.tls import PemFiles, load_pem_files
 from inferlb_runtime.tracing import Tracing, TracingConfig, start_tracing
 
+from .admission_rules import AdmissionRules
 from .config import ExtProcConfig, load_config
 from .fair_queue import GateSettings
 from .metrics import ExtProcMetrics, LiveState, create_http_app
@@ -84,7 +85,11 @@ def service_settings(config: ExtProcConfig) -> ServiceSettings:
         cache_max_entry_bytes=config.cache_max_entry_bytes, cache_per_tenant=config.cache_per_tenant,
         fair_queue=GateSettings(max_wait_s=config.fair_queue_max_wait_s, max_queued=config.fair_queue_max_queued,
                                 max_queued_per_tenant=config.fair_queue_max_queued_per_tenant,
-                                aging_s=config.fair_queue_aging_s),
+                                aging_s=config.fair_queue_aging_s,
+                                size_rate=None if config.fair_queue_order == "fifo" else config.fair_queue_size_rate),
+        admission=AdmissionRules(room=config.admission_room, budget_s=config.admission_budget_s,
+                                 flows=config.anonymous_flows, flow_header=config.anonymous_flow_header.lower(),
+                                 early_refusal=config.early_refusal),
         inference_paths=tuple(config.inference_paths),
         stages=tuple(OperatorStageSpec(stage.plugin, stage.params, stage.before, stage.timeout_ms / 1000)
                      for stage in config.stages))

@@ -119,6 +119,22 @@ class ExtProcConfig(BaseSettings):
     fair_queue_max_queued: int = Field(10_000, ge=1)
     fair_queue_max_queued_per_tenant: int = Field(1_000, ge=1)
     fair_queue_aging_s: float = Field(2.0, gt=0)
+    # Within a flow: "smallest" serves the least work first, aged at fair_queue_size_rate tokens a second (a
+    # request of n tokens is overtaken only by those arriving within n / rate seconds of it: a large one is
+    # never starved); "fifo", first in first out.
+    fair_queue_order: Literal["smallest", "fifo"] = "smallest"
+    fair_queue_size_rate: float = Field(4000.0, gt=0)
+    # Room at the door: "work", while the predicted seconds sent per routable endpoint stay under
+    # admission_budget_s (a short request fits in a gap a long one does not; an idle endpoint always takes
+    # one); "requests", fair_queue_depth in flight per routable endpoint.
+    admission_room: Literal["work", "requests"] = "work"
+    admission_budget_s: float = Field(0.5, gt=0, le=60)
+    # Callers without an API key wait as one flow per client: by "address" (Envoy's source address), by the
+    # last entry of anonymous_flow_header set by a trusted proxy in front ("header"), or all as "one".
+    anonymous_flows: Literal["address", "header", "one"] = "address"
+    anonymous_flow_header: str = Field("x-forwarded-for", min_length=1)
+    # A request whose predicted wait is past its maximum wait (or deadline) gets its 429 at once.
+    early_refusal: bool = True
     # Slow start: an endpoint that turned routable (joined, or came back) takes a share of this replica's picks
     # ramping from 10% to all over this many seconds, so a cold worker is not flooded by its empty queue's
     # appeal. Endpoints already routable when ext_proc starts are not ramped. 0: off.

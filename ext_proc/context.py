@@ -57,7 +57,7 @@ class RequestContext:
                  "deadline", "caller", "quota", "forwarded", "outcome", "mutation", "started", "version",
                  "decided", "cache_key", "cache_version", "resolved", "filling", "span", "held",
                  "response_streamed", "subset", "ending", "headers_phase", "response", "status", "served_by",
-                 "limits", "headers_message", "headers_raw", "payload", "ended", "answered", "done", "step")
+                 "limits", "opening", "headers_raw", "payload", "ended", "answered", "done", "step")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -99,9 +99,9 @@ class RequestContext:
         self.status = ""  # the response's :status
         self.served_by: str | None = None  # the endpoint named in the response-headers answer
         self.limits = b""  # x-ratelimit-* header entries for the response-headers answer
-        # The request-headers message as it came (and serialised, when it came as bytes): for the stage that
-        # reads the caller's headers without parsing them all.
-        self.headers_message: pb.HttpHeaders | None = None
+        # The stream's first message, the request headers (and serialised, when it came as bytes): for the
+        # stage that reads the caller's headers without parsing them all, and its address.
+        self.opening: pb.ProcessingRequest | None = None
         self.headers_raw: bytes | None = None
 
     @property

@@ -31,9 +31,16 @@ The rule:
    that was idle banks no credit (it starts at the current virtual time);
    and a tenant with 1,000 requests queued delays a newcomer by at most its
    weight's worth of requests per round, because only its head competes.
-3. **Arrival order** within a tenant (FIFO).
+3. **Within a tenant**: first in, first out; or, with ``size_rate`` (tokens per second), the least work
+   first with aging: an entry's key is ``arrived + cost / size_rate`` and the smallest key goes first.
+   The key does not move with the clock, yet it ages: a request of cost ``c`` is overtaken only by
+   requests that arrive less than ``c / size_rate`` seconds after it, so a large one is never starved,
+   and a one-sentence request does not wait behind every batch its own client queued before it (every
+   caller without a key is one client per address, but one address may send both). With one flow per
+   tenant, this is the order of the tenant's own requests only: the order between tenants stays the
+   weighted fair one above.
 
-Tags are given lazily, to heads only: a request that leaves from the middle
+Tags are given lazily, to heads only (the entry its flow would send next): a request that leaves from the middle
 (its client left, its wait ran out) leaves no hole in its tenant's tags,
 and a head that leaves hands its start tag to the next one. A tenant with
 nothing queued keeps no state: its last finish tag can never exceed the
@@ -57,7 +64,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
@@ -92,6 +99,8 @@ class Entry(Generic[T]):
     seq: int = 0  # arrival number, set by push
     finish: float = 0.0  # the virtual finish tag, set when it becomes its tenant's head
     queued: bool = False
+    key: float = 0.0  # its order within its tenant's flow (smallest first), set by push
+    label: str = ""  # what metrics call its tenant (a flow may be one client of a tenant); "": the tenant
 
     @property
     def deadline(self) -> float:
@@ -99,21 +108,55 @@ class Entry(Generic[T]):
 
 
 class _Flow:
-    """One tenant's waiting entries in one band; ``start`` is its head's virtual start tag."""
+    """One tenant's waiting entries in one band, a heap by (key, seq); ``start`` is its head's virtual start
+    tag, ``work`` the cost it holds."""
 
-    __slots__ = ("entries", "start")
+    __slots__ = ("entries", "start", "work")
 
     def __init__(self, start: float) -> None:
-        self.entries: deque[Entry] = deque()
+        self.entries: list[tuple[float, int, Entry]] = []
         self.start = start
+        self.work = 0.0
+
+    @property
+    def head(self) -> Entry:
+        return self.entries[0][2]
+
+    def push(self, entry: Entry) -> bool:
+        """Add ``entry``; True when it is the new head."""
+        heapq.heappush(self.entries, (entry.key, entry.seq, entry))
+        self.work += entry.cost
+        return self.entries[0][2] is entry
+
+    def pop(self) -> Entry:
+        entry = heapq.heappop(self.entries)[2]
+        self.work -= entry.cost
+        return entry
+
+    def remove(self, entry: Entry) -> None:
+        """O(its flow): an entry leaving from the middle (its client left, its wait ran out)."""
+        index = next(i for i, item in enumerate(self.entries) if item[2] is entry)
+        last = self.entries.pop()
+        if index < len(self.entries):
+            self.entries[index] = last
+            heapq.heapify(self.entries)
+        self.work -= entry.cost
+
+    def ahead(self, key: float) -> float:
+        """The work of its entries that go before a new one of ``key``."""
+        return sum(item[2].cost for item in self.entries if item[0] <= key)
+
+    def newest(self) -> Entry:
+        return max(self.entries, key=lambda item: item[1])[2]
 
 
 class _Band:
     """One priority band: its tenants' flows, their heads by finish tag, and its entries by arrival."""
 
-    __slots__ = ("flows", "heads", "arrivals", "vtime")
+    __slots__ = ("flows", "heads", "arrivals", "vtime", "work")
 
     def __init__(self) -> None:
+        self.work = 0.0  # the cost of every entry queued in it
         self.flows: dict[str, _Flow] = {}
         # (finish tag, head's seq, flow); an item whose seq is no longer its flow's head is stale
         self.heads: list[tuple[float, int, _Flow]] = []
@@ -166,14 +209,18 @@ class _TenantCounts:
 class FairOrder(Generic[T]):
     """The admission queue's order (see the module docstring). ``aging_s=None``: strict bands."""
 
-    __slots__ = ("max_queued", "max_per_tenant", "aging_s", "_bands", "_counts", "_deadlines", "_seq", "_size")
+    __slots__ = ("max_queued", "max_per_tenant", "aging_s", "size_rate", "_bands", "_counts", "_deadlines", "_seq",
+                 "_size")
 
     def __init__(self, max_queued: int = 10_000, max_per_tenant: int = 1_000,
-                 aging_s: float | None = AGING_S) -> None:
+                 aging_s: float | None = AGING_S, size_rate: float | None = None) -> None:
         if max_queued < 1 or max_per_tenant < 1:
             raise ValueError(f"max_queued and max_per_tenant must be >= 1, got {max_queued}, {max_per_tenant}")
         if aging_s is not None and not aging_s > 0:
             raise ValueError(f"aging_s must be > 0 or None, got {aging_s}")
+        if size_rate is not None and not (math.isfinite(size_rate) and size_rate > 0):
+            raise ValueError(f"size_rate must be a positive number or None, got {size_rate}")
+        self.size_rate = size_rate  # None: first in, first out within a tenant
         self.max_queued = max_queued
         self.max_per_tenant = max_per_tenant
         self.aging_s = aging_s
@@ -205,31 +252,33 @@ class FairOrder(Generic[T]):
         self._seq += 1
         entry.seq = self._seq
         entry.queued = True
+        entry.key = self.key(entry.cost, entry.arrived)
         band = self._bands[entry.priority]
         flow = band.flows.get(entry.tenant)
         if flow is None:  # idle until now: no credit banked, it starts at the band's virtual time
             flow = band.flows[entry.tenant] = _Flow(band.vtime)
-            flow.entries.append(entry)
+        if flow.push(entry):  # its flow's new head (it overtook the one tagged before: that tag is stale)
             self._tag_head(band, flow)
-        else:
-            flow.entries.append(entry)
+        band.work += entry.cost
         band.arrivals[entry] = None
         self._counts.add(entry.tenant)
         self._size += 1
         heapq.heappush(self._deadlines, (entry.deadline, entry.seq, entry))
         return None
 
+    def peek(self, now: float) -> Entry[T] | None:
+        """The entry :meth:`pop` would return, left queued."""
+        band = self._next_band(now)
+        return self._top(band)[2].head if band is not None else None
+
     def pop(self, now: float) -> Entry[T] | None:
         """The next entry to let through, removed; None when nothing waits."""
         band = self._next_band(now)
         if band is None:
             return None
-        heads = band.heads
-        while True:
-            finish, seq, flow = heapq.heappop(heads)
-            if flow.entries and flow.entries[0].seq == seq:
-                break  # else stale: its head left (removed or expired) and the flow was re-tagged
-        entry = flow.entries.popleft()
+        self._top(band)  # the live head on top
+        finish, _, flow = heapq.heappop(band.heads)
+        entry = flow.pop()
         band.vtime = finish
         if flow.entries:
             flow.start = finish  # still backlogged: its next request starts where this one finished
@@ -245,8 +294,8 @@ class FairOrder(Generic[T]):
             return False
         band = self._bands[entry.priority]
         flow = band.flows[entry.tenant]
-        was_head = flow.entries[0] is entry
-        flow.entries.remove(entry)  # identity: Entry compares by object
+        was_head = flow.head is entry
+        flow.remove(entry)
         if not flow.entries:
             del band.flows[entry.tenant]
         elif was_head:  # the next one inherits the start tag: the one that left was never served
@@ -272,10 +321,31 @@ class FairOrder(Generic[T]):
         for band in reversed(self._bands):
             flow = band.flows.get(largest)
             if flow is not None:
-                victim = flow.entries[-1]
+                victim = flow.newest()
                 self.remove(victim)
                 return victim
         raise AssertionError(f"tenant {largest!r} is counted but has no flow")  # pragma: no cover
+
+    def key(self, cost: float, arrived: float) -> float:
+        """An entry's order within its flow: its arrival, plus its cost's worth of aging (size_rate)."""
+        return arrived if self.size_rate is None else arrived + cost / self.size_rate
+
+    def work_ahead(self, tenant: str, weight: float, priority: int, cost: float, arrived: float) -> float:
+        """The queued work (in the cost's unit) that would go before a new entry of this tenant, class, cost
+        and arrival: every better band's, the entries of its own flow with a smaller key, and from each other
+        flow of its band the share weighted fair queuing gives it meanwhile (its weight's worth of the work
+        ahead of the new one, at most what it holds). An estimate (aging moves bands; new arrivals come),
+        O(the flows of its band and its own flow's entries); for the caller to refuse at once a request
+        that cannot get its turn in time."""
+        ahead = sum(band.work for band in self._bands[:priority])
+        band = self._bands[priority]
+        own = band.flows.get(tenant)
+        mine = own.ahead(self.key(cost, arrived)) if own is not None else 0.0
+        turns = (mine + cost) / weight
+        for name, flow in band.flows.items():
+            if name != tenant:
+                ahead += min(flow.work, turns * flow.head.weight)
+        return ahead + mine
 
     # -- internals ---------------------------------------------------------------------------------------
 
@@ -291,17 +361,29 @@ class FairOrder(Generic[T]):
                     best, best_key = band, key
         return best
 
+    @staticmethod
+    def _top(band: _Band) -> tuple[float, int, _Flow]:
+        """The band's next head, dropping stale items first (a head that left, or was overtaken and
+        re-tagged)."""
+        heads = band.heads
+        while True:
+            finish, seq, flow = heads[0]
+            if flow.entries and flow.head.seq == seq:
+                return heads[0]
+            heapq.heappop(heads)
+
     def _tag_head(self, band: _Band, flow: _Flow) -> None:
-        head = flow.entries[0]
+        head = flow.head
         head.finish = flow.start + head.cost / head.weight
         heapq.heappush(band.heads, (head.finish, head.seq, flow))
         if len(band.heads) > 2 * len(band.flows) + _COMPACT_SLACK:  # many heads left: drop the stale items
-            band.heads = [(f.entries[0].finish, f.entries[0].seq, f) for f in band.flows.values()]
+            band.heads = [(f.head.finish, f.head.seq, f) for f in band.flows.values()]
             heapq.heapify(band.heads)
 
     def _forget(self, band: _Band, entry: Entry[T]) -> None:
         """The bookkeeping shared by every way out of the queue."""
         entry.queued = False
+        band.work -= entry.cost
         del band.arrivals[entry]
         self._counts.sub(entry.tenant)
         self._size -= 1

@@ -122,6 +122,9 @@ class GateSettings:
     max_queued_per_tenant: int = 1_000
     aging_s: float | None = AGING_S  # None: strict priority bands
     recheck_s: float = 0.05  # how often has_room is polled, and waits expired, while anything waits
+    # Within a tenant: None, first in first out; else the least work first, aged at this many tokens a second
+    # (fair_order.py): a request of n tokens is overtaken only by those arriving within n / size_rate s of it.
+    size_rate: float | None = None
 
     def __post_init__(self) -> None:
         if not self.max_wait_s > 0:
@@ -134,17 +137,24 @@ class FairGate:
     """Weighted fair admission across tenants (see the module docstring). One asyncio loop owns it."""
 
     def __init__(self, has_room: Callable[[int], bool], settings: GateSettings = GateSettings(), *,
+                 fits: Callable[[float, float], bool] | None = None,
                  observer: GateObserver | None = None, failure_observer: FailureObserver | None = None,
                  clock: Clock = time.monotonic, sleep: Sleep = asyncio.sleep) -> None:
+        """``has_room(pending)``: room for one more request, ``pending`` admitted but not yet routed.
+        ``fits(pending_cost, cost)``, when given: room for a request of ``cost`` too (room in work, not in
+        requests: a short request fits in a gap a long one does not); a request passes when either says so."""
         self.settings = settings
         self._has_room = has_room
+        self._fits = fits
         self._order: FairOrder[asyncio.Future[Outcome]] = FairOrder(
-            settings.max_queued, settings.max_queued_per_tenant, settings.aging_s)
+            settings.max_queued, settings.max_queued_per_tenant, settings.aging_s, settings.size_rate)
         self._observer: GateObserver = observer or NoObserver()
         self._clock = clock
         self._sleep = sleep
         self._supervised = Supervised("fair_gate_recheck", observer=failure_observer, logger=log)
         self._granted = 0  # released waiters that have not resumed yet
+        self._granted_cost = 0.0  # their cost
+        self._labels: dict[str, int] = {}  # entries queued by metric label (a tenant; its flows are clients)
         self._recheck: asyncio.Task[None] | None = None
 
     @property
@@ -157,18 +167,29 @@ class FairGate:
         """Admissions released to waiters that have not resumed yet (``has_room``'s argument)."""
         return self._granted
 
-    def passes_now(self) -> bool:
-        """Whether :meth:`admit` would return at once (nothing waits and there is room): the caller may
-        have to warn its peer of a wait first (ext_proc extends Envoy's message timeout)."""
-        return not self._order and self._has_room(self._granted)
+    def passes_now(self, cost: float = 0.0) -> bool:
+        """Whether :meth:`admit` would return at once (nothing waits and there is room for ``cost``): the
+        caller may have to warn its peer of a wait first (ext_proc extends Envoy's message timeout)."""
+        return not self._order and self._room(cost)
+
+    def _room(self, cost: float) -> bool:
+        fits = self._fits
+        return self._has_room(self._granted) or (fits is not None and fits(self._granted_cost, cost))
+
+    def work_ahead(self, tenant: str, weight: float, priority: int, cost: float) -> float:
+        """The queued work that would go before a request of this flow, class and cost arriving now
+        (``FairOrder.work_ahead``), for a caller that predicts its wait."""
+        return self._order.work_ahead(tenant, weight, priority, cost, self._clock())
 
     async def admit(self, tenant: str, weight: float, priority: int, cost: float,
-                    max_wait_s: float | None = None) -> Outcome:
-        """Wait for this request's turn; ``cost`` in the queue's unit (tokens), ``max_wait_s`` at most
-        the settings' (None: theirs). ``ValueError`` for a weight, cost or priority that means nothing."""
-        if self.passes_now():  # the fast path: nothing waits, room
+                    max_wait_s: float | None = None, label: str | None = None) -> Outcome:
+        """Wait for this request's turn; ``tenant`` names its flow (a tenant, or one client of one), ``label``
+        what the metrics call it (default: ``tenant``); ``cost`` in the queue's unit (tokens), ``max_wait_s``
+        at most the settings' (None: theirs). ``ValueError`` for a weight, cost or priority that means
+        nothing."""
+        if self.passes_now(cost):  # the fast path: nothing waits, room
             return Outcome.ADMITTED
-        return await self._wait(tenant, weight, priority, cost, max_wait_s)
+        return await self._wait(tenant, weight, priority, cost, max_wait_s, label or tenant)
 
     def notify(self) -> None:
         """Room may have freed (a request finished): release waiters in order while ``has_room`` holds."""
@@ -192,14 +213,14 @@ class FairGate:
     # -- the slow path ---------------------------------------------------------------------------------
 
     async def _wait(self, tenant: str, weight: float, priority: int, cost: float,
-                    max_wait_s: float | None) -> Outcome:
+                    max_wait_s: float | None, label: str) -> Outcome:
         now = self._clock()
         limit = self.settings.max_wait_s if max_wait_s is None else min(max_wait_s, self.settings.max_wait_s)
         if not limit > 0:  # its budget is already spent (or NaN): no point queuing it
-            self._observer.left(tenant, priority, Outcome.TIMED_OUT.value, 0.0)
+            self._observer.left(label, priority, Outcome.TIMED_OUT.value, 0.0)
             return Outcome.TIMED_OUT
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        entry = Entry(tenant, weight, priority, cost, now, limit, future)
+        entry = Entry(tenant, weight, priority, cost, now, limit, future, label=label)
         refusal = self._order.push(entry)
         if refusal is Refusal.QUEUE_FULL:
             victim = self._order.make_room(tenant)
@@ -207,9 +228,9 @@ class FairGate:
                 self._left(victim, Outcome.DISPLACED, now)
                 refusal = self._order.push(entry)
         if refusal is not None:
-            self._observer.rejected(tenant, priority, refusal.value)
+            self._observer.rejected(label, priority, refusal.value)
             return Outcome(refusal.value)
-        self._observer.depth(tenant, self._order.queued(tenant))
+        self._counted(label, 1)
         try:
             self._release(now)  # room may be there already (only the queue was not empty): maybe this entry
             if self._order:
@@ -220,38 +241,55 @@ class FairGate:
             raise
         if outcome is Outcome.ADMITTED:
             self._granted -= 1
+            self._granted_cost -= entry.cost
         return outcome
 
     def _abandoned(self, entry: Entry[asyncio.Future[Outcome]]) -> None:
         """The waiter is gone (its stream was cancelled): leave the queue, or hand on a grant it cannot use."""
         now = self._clock()
         if self._order.remove(entry):
-            self._observer.depth(entry.tenant, self._order.queued(entry.tenant))
-            self._observer.left(entry.tenant, entry.priority, CANCELLED, now - entry.arrived)
+            self._counted(entry.label, -1)
+            self._observer.left(entry.label, entry.priority, CANCELLED, now - entry.arrived)
             return
         future = entry.payload
         if future.done() and not future.cancelled() and future.result() is Outcome.ADMITTED:
             self._granted -= 1
+            self._granted_cost -= entry.cost
             if self._order:
                 self._release(now)
 
     def _release(self, now: float) -> None:
+        """Let waiters through in order while the next one has room (the next in order, not a smaller one
+        behind it: the order is the fairness)."""
         order = self._order
-        while order and self._has_room(self._granted):
-            entry = order.pop(now)
-            assert entry is not None  # the queue is not empty
-            if self._left(entry, Outcome.ADMITTED, now):
+        while order:
+            head = order.peek(now)
+            assert head is not None  # the queue is not empty
+            if not self._room(head.cost):
+                return
+            order.pop(now)
+            if self._left(head, Outcome.ADMITTED, now):
                 self._granted += 1
+                self._granted_cost += head.cost
 
     def _left(self, entry: Entry[asyncio.Future[Outcome]], outcome: Outcome, now: float) -> bool:
         """Resolve a waiter taken out of the queue; False when its task was cancelled meanwhile (its
         handler, which has not run yet, finds the entry gone and its future cancelled: nothing to do)."""
-        self._observer.depth(entry.tenant, self._order.queued(entry.tenant))
+        self._counted(entry.label, -1)
         if entry.payload.done():
             return False
         entry.payload.set_result(outcome)
-        self._observer.left(entry.tenant, entry.priority, outcome.value, now - entry.arrived)
+        self._observer.left(entry.label, entry.priority, outcome.value, now - entry.arrived)
         return True
+
+    def _counted(self, label: str, change: int) -> None:
+        """Entries queued per metric label: a tenant's flows (its clients) add up to one series."""
+        queued = self._labels.get(label, 0) + change
+        if queued:
+            self._labels[label] = queued
+        else:
+            self._labels.pop(label, None)
+        self._observer.depth(label, queued)
 
     def _start_recheck(self) -> None:
         if self._recheck is None or self._recheck.done():

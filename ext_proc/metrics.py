@@ -28,6 +28,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from inferlb_runtime.request_class import Priority
+
+from .admission_rules import size_label
 from .outstanding import OutstandingLoad
 
 
@@ -137,10 +140,11 @@ _HOT_COUNTERS = {
                       "(over the tenant's quota), quota_unavailable (the quota store unreachable, failing "
                       "closed), or an admit plugin's own code.", "code",
                       ("overloaded", "rate_limit_exceeded", "quota_unavailable")),
-    "sheds": (f"{PREFIX}sheds", "Sheddable requests answered 429 overloaded, by where they were judged: request_headers "
-              "(before the body: never buffered, no token count), screen (with the body, before the fair queue), "
-              "fair_queue (the turn never came) or decision (judged again when picked).", "at",
-              ("request_headers", "screen", "fair_queue", "decision")),
+    "sheds": (f"{PREFIX}sheds", "Requests answered 429 overloaded, by where they were judged: request_headers "
+              "(a sheddable one, before the body: never buffered, no token count), screen (a sheddable one, with "
+              "the body, before the fair queue), fair_queue (the turn never came), decision (judged again when "
+              "picked) or predicted_wait (refused at once: its predicted wait was past its maximum).", "at",
+              ("request_headers", "screen", "fair_queue", "decision", "predicted_wait")),
     "auth_failures": (f"{PREFIX}auth_failures", "Requests refused for their API key (401, or 503 for no_key_table: "
                       "keys required and no key table received yet), by reason.", "reason",
                       ("missing_key", "invalid_key", "no_key_table")),
@@ -270,7 +274,16 @@ class ExtProcMetrics:
                                           "(evicted from a full queue), cancelled (the client left).", ["how"],
                                           buckets=WAIT_BUCKETS, registry=r)
         self.fair_queue_refusals = Counter(f"{PREFIX}fair_queue_refusals", "Requests refused at the fair queue's "
-                                           "door, by reason (queue_full, tenant_full).", ["reason"], registry=r)
+                                           "door, by reason (queue_full, tenant_full, predicted_wait: its "
+                                           "predicted wait was past its maximum, refused at once).", ["reason"],
+                                           registry=r)
+        self.admission_waits = Histogram(f"{PREFIX}admission_wait_seconds", "Time admitted requests waited at "
+                                         "the fair queue, by class and size (tokens: le_64, le_512, le_4096, "
+                                         "gt_4096).", ["priority", "size"], buckets=WAIT_BUCKETS, registry=r)
+        self.admission_predicted = Counter(f"{PREFIX}admission_predicted_wait_seconds", "The waits predicted "
+                                           "for the admitted requests that waited, summed: against "
+                                           "admission_wait_seconds_sum, how well the wait is predicted.",
+                                           registry=r)
 
     def _register_failures(self, r: CollectorRegistry) -> None:
         """Contained failures: supervised background tasks, and user plugins of the pick chain (reported
@@ -421,6 +434,11 @@ class ExtProcMetrics:
 
     def rejected(self, tenant: str, priority: int, reason: str) -> None:
         self.fair_queue_refusals.labels(reason=reason).inc()
+
+    def admission_waited(self, priority: Priority, tokens: int, waited_s: float, predicted_s: float) -> None:
+        """An admitted request that waited (a few per second at most: prometheus_client's cost is fine)."""
+        self.admission_waits.labels(priority=priority.name.lower(), size=size_label(tokens)).observe(waited_s)
+        self.admission_predicted.inc(predicted_s)
 
     def task_failed(self, task: str) -> None:
         self.task_failures.labels(task=task).inc()

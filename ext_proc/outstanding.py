@@ -64,6 +64,7 @@ class Outstanding:
         self._totals: dict[str, _Totals] = {}
         self._next_sweep = clock() + sweep_interval_s
         self.leaked = 0  # entries dropped by the safety net
+        self.seconds = 0.0  # the predicted seconds of everything in flight (O(1) for admission's room)
 
     def begin(self, request_key: Hashable, endpoint_id: str, tokens: int, predicted_s: float) -> None:
         """Count a request as in flight on ``endpoint_id``; a key already in flight is moved, not doubled."""
@@ -81,6 +82,7 @@ class Outstanding:
         totals.requests += 1
         totals.tokens += tokens
         totals.seconds += predicted_s
+        self.seconds += predicted_s
 
     def finish(self, request_key: Hashable) -> bool:
         """Release a request; True the first time, False for an unknown or already finished key."""
@@ -142,6 +144,7 @@ class Outstanding:
 
     def _release(self, request_key: Hashable) -> None:
         entry = self._entries.pop(request_key)
+        self.seconds = self.seconds - entry.predicted_s if self._entries else 0.0  # none left: no float drift
         totals = self._totals[entry.endpoint_id]
         totals.requests -= 1
         if totals.requests <= 0:

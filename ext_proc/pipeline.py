@@ -15,6 +15,7 @@ nothing to do in this configuration (no cache, no operator stages), so it costs 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,8 +77,8 @@ def build_stages(settings: Any, c: Collaborators, policy_spec: PickPolicySpec,
         Quota(c.quotas, c.metrics),
         ListModels(c.source, c.metrics),
         cache,
-        Admission(settings.fair_queue_depth, settings.fair_queue, cache is not None, c.source, c.router, c.metrics,
-                  replies),
+        Admission(dataclasses.replace(settings.admission, depth=settings.fair_queue_depth), settings.fair_queue,
+                  cache is not None, c.source, c.router, c.metrics, replies),
         Decide(settings.pick_header, settings.pick_metadata_namespace, policy_spec, c.source, c.router, c.metrics,
                replies),
         Learn(c.router, c.metrics, replies),

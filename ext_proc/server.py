@@ -50,7 +50,7 @@ from .quota_memory import MemoryQuotaStore
 from .registry import PluginRegistry
 from .response_cache_redis import RedisResponseCache
 from .routing import Router
-from .service_settings import ServiceSettings
+from .service_settings import ServiceSettings as ServiceSettings  # importable here, as before
 from .spans import CallContext, start_span
 from .tokens import TokenCounter
 from .wire import PROCESS_METHOD, SERVICE_NAME
@@ -221,7 +221,7 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
             ctx.response_streamed = request.protocol_config.response_body_mode == wire.FULL_DUPLEX
         if request.HasField("metadata_context"):
             ctx.subset = wire.subset_hint(request.metadata_context)
-        ctx.headers_message, ctx.headers_raw = message, raw
+        ctx.opening, ctx.headers_raw = request, raw
         ctx.headers_phase = message.end_of_stream
         for hook in self.stages.on_request_headers:
             answer = hook(ctx)
@@ -346,6 +346,3 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
 
     def live_state(self) -> LiveState:
         return live_state(self.router, self.source, self.policy_spec.name, self.active_streams)
-
-
-__all__ = ["ExtProcServicer", "ServiceSettings"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .admission_rules import AdmissionRules
 from .fair_queue import GateSettings
 from .stages.operator import OperatorStageSpec
 
@@ -23,6 +24,9 @@ class ServiceSettings:
     # in the fair queue (0: no queue), and the queue's bounds.
     fair_queue_depth: int = 0
     fair_queue: GateSettings = GateSettings()
+    # How the door measures room and flows (its depth is fair_queue_depth); the defaults here are the rules
+    # before size-aware admission (tests state what they change); the configuration's are config.py's.
+    admission: AdmissionRules = AdmissionRules(room="requests", flows="one", early_refusal=False)
     # A newly routable endpoint's share of the picks ramps up over this many seconds (0: no slow start).
     slow_start_s: float = 0.0
     # The gateway cache (in process): its byte bound (0: off), an entry's lifetime and largest size, and

@@ -46,6 +46,7 @@ SERVER_TIMING_HEADER = "server-timing"
 ORCA_HEADER = "endpoint-load-metrics"
 # Envoy's attribute for the host that actually served (after retries), if the filter asks for it.
 UPSTREAM_ATTRIBUTE = "upstream.address"
+SOURCE_ATTRIBUTE = "source.address"  # the downstream client's ip:port, asked for in the filter's request_attributes
 EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
 # The Endpoint Picker Protocol's other keys (docs/epp.md): the candidates the data plane allows (filter metadata
 # sent with the request headers) and the endpoint that served (in the pick's namespace, with the response).
@@ -457,6 +458,16 @@ def served_by(request: pb.ProcessingRequest, namespace: str) -> str | None:
         return id_of_authority(value.string_value)
     except ValueError:  # not ip:port (a pipe, an internal address): fall back to the pick
         return None
+
+
+def source_host(request: pb.ProcessingRequest) -> str | None:
+    """The client's address (without its port) as Envoy saw it, when the filter sends ``source.address``."""
+    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES_KEY)
+    value = attributes.fields.get(SOURCE_ATTRIBUTE) if attributes is not None else None
+    if value is None or not value.string_value:
+        return None
+    host, sep, port = value.string_value.rpartition(":")
+    return host.strip("[]") if sep and port.isdigit() else value.string_value
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from ext_proc.admission_rules import AdmissionRules
 from ext_proc.callers import Caller
 from ext_proc.context import Answer, RequestContext, Wait
 from ext_proc.fair_queue import GateSettings
@@ -63,7 +64,7 @@ def context(headers: dict[str, str] | None = None, body: Any = None, end_of_stre
         base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in all_headers.items()]),
         end_of_stream=end_of_stream)
     ctx = RequestContext(1)
-    ctx.headers_message = message
+    ctx.opening = pb.ProcessingRequest(request_headers=message)
     ctx.headers_raw = pb.ProcessingRequest(request_headers=message).SerializeToString()
     ctx.headers_phase = end_of_stream
     caller = IdentifyCaller(PICK, False, StaticViewSource(), ExtProcMetrics())
@@ -104,7 +105,7 @@ def test_the_caller_stage_answers_a_bad_class_header_with_400() -> None:
     ctx = RequestContext(1)
     message = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key="x-gateway-inference-objective", raw_value=b"urgent!")]))
-    ctx.headers_message, ctx.headers_raw = message, None
+    ctx.opening, ctx.headers_raw = pb.ProcessingRequest(request_headers=message), None
     answer = IdentifyCaller(PICK, False, StaticViewSource(), metrics).on_request_headers(ctx)
     assert answer is not None and answer.final
     status, body = answer_json(answer)
@@ -113,7 +114,7 @@ def test_the_caller_stage_answers_a_bad_class_header_with_400() -> None:
 
 def test_the_caller_stage_refuses_a_request_without_a_key_when_keys_are_required() -> None:
     ctx = RequestContext(1)
-    ctx.headers_message = pb.HttpHeaders()
+    ctx.opening = pb.ProcessingRequest(request_headers=pb.HttpHeaders())
     answer = IdentifyCaller(PICK, True, StaticViewSource(), ExtProcMetrics()).on_request_headers(ctx)
     assert answer is not None and ctx.outcome == "unauthenticated"
     assert answer_json(answer)[0] in (401, 503)  # 503 while no key table has arrived
@@ -246,7 +247,8 @@ def test_the_learn_stage_releases_the_request_at_the_response_end_exactly_once(c
 def test_the_admission_stage_without_a_queue_passes_everything(counter: TokenCounter) -> None:
     source = StaticViewSource(static_view([A]))
     metrics = ExtProcMetrics()
-    stage = Admission(0, GateSettings(), False, source, router(), metrics, Replies(metrics, source))
+    stage = Admission(AdmissionRules(depth=0), GateSettings(), False, source, router(), metrics,
+                      Replies(metrics, source))
     ctx = context(body={"input": "x"})
     CountTokens(counter).on_request(ctx)
     assert stage.gate is None and stage.on_request(ctx) is None
@@ -256,7 +258,8 @@ def test_the_admission_stage_makes_a_request_wait_when_the_fleet_is_full(counter
     source = StaticViewSource(static_view([A]))
     r = router()
     metrics = ExtProcMetrics()
-    stage = Admission(1, GateSettings(max_wait_s=0.05), False, source, r, metrics, Replies(metrics, source))
+    stage = Admission(AdmissionRules(depth=1, room="requests", early_refusal=False), GateSettings(max_wait_s=0.05),
+                      False, source, r, metrics, Replies(metrics, source))
     stage.on_view(source.view)  # type: ignore[arg-type]
     busy = context(body={"input": "x"})
     CountTokens(counter).on_request(busy)
@@ -268,6 +271,63 @@ def test_the_admission_stage_makes_a_request_wait_when_the_fleet_is_full(counter
     answer = resolve(verdict)
     assert answer is not None and ctx.outcome == "shed"
     assert answer_json(answer)[1]["error"]["code"] == "overloaded"
+
+
+def busy_fleet(counter: TokenCounter, rules: AdmissionRules, in_flight_tokens: int) -> tuple[Admission, Router]:
+    """One endpoint with one request of ``in_flight_tokens`` in flight, behind a door of ``rules``."""
+    source = StaticViewSource(static_view([A]))
+    r = router()
+    metrics = ExtProcMetrics()
+    stage = Admission(rules, GateSettings(max_wait_s=5.0, size_rate=4000.0), False, source, r, metrics,
+                      Replies(metrics, source))
+    stage.on_view(source.view)  # type: ignore[arg-type]
+    busy = context(body={"input": "x"})
+    CountTokens(counter).on_request(busy)
+    busy_request = RequestView(in_flight_tokens, False, None, 1)
+    r.decide(99, busy_request, source.view.endpoints)  # type: ignore[union-attr]
+    return stage, r
+
+
+def test_room_in_work_lets_a_short_request_into_a_gap_a_long_one_does_not_fit(counter: TokenCounter) -> None:
+    stage, r = busy_fleet(counter, AdmissionRules(depth=1, room="work", budget_s=0.5), 256)
+    in_flight = r.outstanding.seconds
+    assert 0 < in_flight < 0.5  # one short request's predicted seconds: under the budget
+    short, long = context(body={"input": "a short one"}), context(body={"input": ["word " * 250] * 64})
+    for ctx in (short, long):
+        resolve(CountTokens(counter).on_request(ctx))
+    assert long.tokens > 10_000
+    assert stage.on_request(short) is None  # it fits the gap: admitted at once
+    verdict = stage.on_request(long)
+    assert type(verdict) is Wait  # 16k tokens do not fit: it waits for room
+    verdict.work.close()  # type: ignore[attr-defined]
+
+
+def test_a_request_that_cannot_get_its_turn_in_time_is_refused_at_once_with_a_retry_after(
+        counter: TokenCounter) -> None:
+    stage, _ = busy_fleet(counter, AdmissionRules(depth=1, room="work", budget_s=0.01), 100_000)
+    ctx = context(body={"input": ["word " * 250] * 64})
+    resolve(CountTokens(counter).on_request(ctx))
+    answer = stage.on_request(ctx)  # 100k tokens in flight: its predicted wait is far past 5 s
+    assert answer is not None and type(answer) is Answer and answer.final and ctx.outcome == "shed"
+    response = pb.ProcessingResponse.FromString(answer.message).immediate_response
+    assert response.status.code == 429 and json.loads(response.body)["error"]["code"] == "overloaded"
+    retry_after = {h.header.key: h.header.raw_value.decode() or h.header.value
+                   for h in response.headers.set_headers}["retry-after"]
+    assert int(retry_after) > 5
+
+
+def test_callers_without_a_key_wait_as_one_flow_per_client_address(counter: TokenCounter) -> None:
+    stage, _ = busy_fleet(counter, AdmissionRules(depth=1), 256)
+    flows = set()
+    for address in ("127.0.0.2:40000", "127.0.0.3:40001", "127.0.0.2:40002"):
+        ctx = context()
+        assert ctx.opening is not None
+        ctx.opening.attributes["envoy.filters.http.ext_proc"].fields["source.address"].string_value = address
+        flows.add(stage._flow(ctx))
+    assert flows == {"anonymous@127.0.0.2", "anonymous@127.0.0.3"}  # by address, not by connection
+    keyed = context()
+    keyed.caller = Caller("acme", "key_1", Priority.STANDARD, Priority.CRITICAL, 1.0, TenantQuota())
+    assert stage._flow(keyed) == "acme"
 
 
 # --- the pipeline and operator stages ------------------------------------------------------------------------

@@ -24,7 +24,8 @@ MESSAGE_TIMEOUT_S = 0.2  # the control plane's default ext_proc_message_timeout_
 
 
 def test_a_queued_request_waits_past_envoys_message_timeout_and_is_routed_by_ext_proc(tmp_path: Path) -> None:
-    with running_gateway(tmp_path, name="fair", ext_proc_env={"INFERLB_EXT_PROC_FAIR_QUEUE_DEPTH": "1"}) as gw:
+    with running_gateway(tmp_path, name="fair", ext_proc_env={"INFERLB_EXT_PROC_FAIR_QUEUE_DEPTH": "1",
+                                                                 "INFERLB_EXT_PROC_ADMISSION_ROOM": "requests"}) as gw:
         ext_proc, envoy, procs, worker, url = gw.ext_proc, gw.envoy, gw.procs, gw.workers[0], gw.url()
 
         def post(text: str) -> httpx.Response:

@@ -251,3 +251,51 @@ def test_nonsense_settings_are_a_clear_error() -> None:
         FairOrder(aging_s=0.0)
     with pytest.raises(ValueError, match="max_queued"):
         FairOrder(max_queued=0)
+
+
+# --- within a tenant: the least work first, aged (size_rate) ---------------------------------------------
+
+
+def test_within_a_tenant_a_short_request_overtakes_the_large_ones_queued_before_it() -> None:
+    order: FairOrder[str] = FairOrder(size_rate=1000.0)  # 8,192 tokens: overtaken for 8.2 s after it came
+    for i in range(3):
+        order.push(entry("anonymous", cost=8192, arrived=i * 0.1, name=f"batch{i}"))
+    order.push(entry("anonymous", cost=6, arrived=0.5, name="sentence"))
+    assert [e.payload for e in drain(order, now=0.5)] == ["sentence", "batch0", "batch1", "batch2"]
+
+
+def test_an_aged_large_request_is_served_before_a_short_one_that_came_much_later() -> None:
+    order: FairOrder[str] = FairOrder(size_rate=1000.0)
+    order.push(entry("anonymous", cost=2000, arrived=0.0, name="batch"))  # its key: 0 + 2 s
+    order.push(entry("anonymous", cost=6, arrived=2.5, name="late sentence"))  # 2.5 s later: too late to pass it
+    order.push(entry("anonymous", cost=6, arrived=1.0, name="early sentence"))
+    assert [e.payload for e in drain(order, now=3.0)] == ["early sentence", "batch", "late sentence"]
+
+
+def test_without_a_size_rate_a_tenant_is_served_first_in_first_out() -> None:
+    order: FairOrder[str] = FairOrder()
+    order.push(entry("t", cost=8192, arrived=0.0, name="batch"))
+    order.push(entry("t", cost=6, arrived=0.1, name="sentence"))
+    assert [e.payload for e in drain(order)] == ["batch", "sentence"]
+
+
+def test_a_short_head_is_fair_between_tenants_too() -> None:
+    """The overtaking stays within the tenant: another tenant's turn comes by the weighted fair tags."""
+    order: FairOrder[str] = FairOrder(size_rate=1000.0)
+    order.push(entry("a", cost=100, arrived=0.0, name="a1"))
+    order.push(entry("b", cost=100, arrived=0.0, name="b1"))
+    order.push(entry("a", cost=1, arrived=0.05, name="a-short"))  # a's new head: tagged from a's start
+    served = [e.payload for e in drain(order, now=0.2)]
+    assert served.index("a-short") < served.index("a1") and served[0] in ("a-short", "b1")
+
+
+def test_work_ahead_counts_better_bands_its_own_smaller_entries_and_the_others_fair_share() -> None:
+    order: FairOrder[str] = FairOrder(size_rate=1000.0, aging_s=None)
+    order.push(entry("crit", priority=0, cost=500, arrived=0.0))
+    order.push(entry("me", cost=10, arrived=0.0))
+    order.push(entry("me", cost=5000, arrived=0.0))  # larger than the new one: goes after it
+    order.push(entry("other", cost=10_000, arrived=0.0))
+    ahead = order.work_ahead("me", 1.0, 1, 20, arrived=0.0)
+    # 500 of the better band; 10 of its own (5000 goes after it); the other tenant's share meanwhile: (10 + 20)
+    assert ahead == 500 + 10 + 30
+    assert order.work_ahead("newcomer", 1.0, 2, 20, arrived=0.0) == 500 + 10 + 5000 + 10_000

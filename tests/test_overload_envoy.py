@@ -37,11 +37,15 @@ SLO_MS = 1500  # over one request's predicted cost, under the burst's
 # counting 16 concurrent bodies of ~4,000 tokens can take longer than that on a busy 2-core host (the
 # burst was then partly routed by Envoy alone, never reached BURST in flight, and the test timed out).
 CP_ENV = {"INFERLB_CP_DATA_PLANE__EXT_PROC_MESSAGE_TIMEOUT_MS": "10000"}
+# The burst must reach the workers' queues (their classes are under test): ext_proc's door counts room in
+# requests here, as before size-aware admission, and queues rather than refuses at once.
+EXT_PROC_ENV = {"INFERLB_EXT_PROC_ADMISSION_ROOM": "requests", "INFERLB_EXT_PROC_EARLY_REFUSAL": "false"}
 
 
 def test_a_burst_on_slow_workers_sheds_sheddable_requests_and_serves_every_critical_one(tmp_path: Path) -> None:
     args = ("--sim-fixed-ms", "0", "--sim-per-token-us", str(PER_TOKEN_US))
-    with running_gateway(tmp_path, workers=2, worker_args=args, name="overload", cp_env=CP_ENV) as gw:
+    with running_gateway(tmp_path, workers=2, worker_args=args, name="overload", cp_env=CP_ENV,
+                         ext_proc_env=EXT_PROC_ENV) as gw:
         ext_proc, procs, ids = gw.ext_proc, gw.procs, gw.ids
         response = gw.admin("PUT", "/v1/policy", {"pick": {"name": "least_completion_time",
                                                             "params": {"slo_ms": SLO_MS}}})

@@ -87,7 +87,10 @@ def stack_around(exits: ExitStack, log_dir: Path, worker_id: str, worker_proc: P
     """Control plane, ext_proc and Envoy in front of the one worker ``worker_id``, shedding off."""
     ext_proc_port = free_port()
     cp = exits.enter_context(running_control_plane(log_dir, endpoints=[worker_id], ext_proc_port=ext_proc_port))
-    ext_proc = exits.enter_context(running_ext_proc(log_dir, xds_port=cp.xds_port, port=ext_proc_port))
+    # The workers' queues are under test: ext_proc's door lets requests through by count, as before
+    # size-aware admission (which would hold them at the door: tests/test_admission_order_envoy.py).
+    ext_proc = exits.enter_context(running_ext_proc(log_dir, xds_port=cp.xds_port, port=ext_proc_port, env={
+        "INFERLB_EXT_PROC_ADMISSION_ROOM": "requests", "INFERLB_EXT_PROC_EARLY_REFUSAL": "false"}))
     envoy = exits.enter_context(running_envoy(log_dir, xds_port=cp.xds_port, node_id="envoy-worker-classes"))
     procs = [cp.proc, ext_proc.proc, envoy.proc, *([worker_proc] if worker_proc else [])]
     ready_through_ext_proc(cp, envoy, ext_proc, {worker_id}, procs)

@@ -94,6 +94,8 @@ def build_ext_proc_filter(settings: DataPlaneSettings) -> ext_proc_pb2.ExternalP
         ),
         # The pick changes the host, never the route: skip re-matching routes.
         route_cache_action=ext_proc_pb2.ExternalProcessor.RETAIN,
+        # The client's address: callers without an API key wait at ext_proc's admission as one flow each.
+        request_attributes=["source.address"],
         # The host that really answered (after retries): the cost model learns for the right one.
         response_attributes=["upstream.address"],
     )

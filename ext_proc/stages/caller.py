@@ -45,8 +45,8 @@ class IdentifyCaller:
         self._class_entries = {p: wire.header_entries(((OBJECTIVE_HEADER, p.name.lower()),)) for p in Priority}
 
     def on_request_headers(self, ctx: RequestContext) -> Answer | None:
-        message, raw = ctx.headers_message, ctx.headers_raw
-        assert message is not None
+        assert ctx.opening is not None
+        message, raw = ctx.opening.request_headers, ctx.headers_raw
         maybe_key = raw is None or self._authorization_raw in raw  # a prefilter: False means no key was sent
         if maybe_key or self._strip_raw.search(raw):  # type: ignore[arg-type]
             keys = {h.key for h in message.headers.headers}

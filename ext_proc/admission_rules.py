@@ -1,0 +1,42 @@
+"""How admission measures room and wait: the settings of the door, and the fleet's rate they are read with.
+
+Kept apart from the admission stage so that the simulator can use the same rules (issue 37: one code).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+# The request size the fleet's rate is read at (tokens): a typical embeddings request's.
+RATE_PROBE_TOKENS = 256
+# Size buckets of the admission-wait metric, by tokens (labels: le_64, le_512, le_4096, gt_4096).
+SIZE_BUCKETS = (64, 512, 4096)
+
+
+@dataclass(frozen=True)
+class AdmissionRules:
+    """``room``: "requests" (``depth`` in flight per routable endpoint, the old rule) or "work" (the
+    predicted seconds already sent, per routable endpoint, stay under ``budget_s``, and an idle endpoint
+    always takes one). ``flows``: callers without a key wait as one flow per client "address" (Envoy's
+    ``source.address``), per value of a trusted proxy's ``flow_header`` ("header": its last entry), or as
+    "one" flow. ``early_refusal``: a request whose predicted wait exceeds its maximum is refused at once."""
+
+    depth: int = 0
+    room: Literal["requests", "work"] = "work"
+    budget_s: float = 0.5
+    flows: Literal["address", "header", "one"] = "address"
+    flow_header: str = "x-forwarded-for"
+    early_refusal: bool = True
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.budget_s) and self.budget_s > 0):
+            raise ValueError(f"budget_s must be a positive number, got {self.budget_s}")
+
+
+def size_label(tokens: int) -> str:
+    for bound in SIZE_BUCKETS:
+        if tokens <= bound:
+            return f"le_{bound}"
+    return f"gt_{SIZE_BUCKETS[-1]}"
