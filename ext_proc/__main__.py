@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .grpc_settings import GRPC_EXPERIMENTS_DEFAULT, use_grpc_defaults
+from .fronts.grpc_settings import GRPC_EXPERIMENTS_DEFAULT, use_grpc_defaults
 
 use_grpc_defaults()  # before anything imports grpc
 
@@ -26,20 +26,20 @@ from inferlb_runtime.pick_chain import PRESETS
 from inferlb_runtime.tls import PemFiles, load_pem_files
 from inferlb_runtime.tracing import Tracing, TracingConfig, start_tracing
 
-from .admission_rules import AdmissionRules
+from .admission.gate import GateSettings
+from .admission.rules import AdmissionRules
+from .cache.redis_store import RedisResponseCache
 from .config import ExtProcConfig, load_config
-from .fair_queue import GateSettings
+from .fronts.serving import HealthReporter, serve_grpc
 from .metrics import ExtProcMetrics, LiveState, create_http_app
+from .pick.registry import PluginRegistry
 from .pipeline import check_operator_stages
 from .quota import QuotaStore
-from .quota_stores import open_quota_store
-from .registry import PluginRegistry
-from .response_cache_redis import RedisResponseCache
+from .quota.stores import open_quota_store
 from .server import ExtProcServicer, ServiceSettings
-from .serving import HealthReporter, serve_grpc
 from .stages.operator import OperatorStageSpec
 from .tokens import TokenCounter, packaged_tokenizer_path
-from .xds_client import PickPolicySpec, XdsClient, XdsClientSettings
+from .xds.client import PickPolicySpec, XdsClient, XdsClientSettings
 
 log = logging.getLogger("inferlb.ext_proc")
 

@@ -28,7 +28,7 @@ from inferlb_runtime.api_keys import ANONYMOUS_TENANT, Quota, bearer_key
 from inferlb_runtime.request_class import Priority
 
 from .model import Reply
-from .tenants import KeyTable
+from .xds.tenants import KeyTable
 
 AUTHORIZATION_HEADER = "authorization"
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import math
 
-from .fleet_view import ViewSource
 from .metrics import LiveState
-from .outstanding import OutstandingLoad
-from .routing import Router
+from .pick.outstanding import OutstandingLoad
+from .pick.router import Router
+from .xds.fleet_view import ViewSource
 
 
 def live_state(router: Router, source: ViewSource, policy: str, active_streams: int) -> LiveState:

@@ -30,8 +30,8 @@ from starlette.routing import Route
 
 from inferlb_runtime.request_class import Priority
 
-from .admission_rules import size_label
-from .outstanding import OutstandingLoad
+from .admission.rules import size_label
+from .pick.outstanding import OutstandingLoad
 
 
 PREFIX = "inferlb_ext_proc_"
@@ -266,7 +266,7 @@ class ExtProcMetrics:
             self.quota_decisions.labels(result=result)
 
     def _register_fair_queue(self, r: CollectorRegistry) -> None:
-        """Fair admission (ext_proc/fair_queue.py); requests that passed at once are not reported."""
+        """Fair admission (ext_proc/admission/gate.py); requests that passed at once are not reported."""
         self.fair_queue_depth = Gauge(f"{PREFIX}fair_queue_depth", "Requests waiting in the fair admission queue, "
                                       "by tenant.", ["tenant"], registry=r)
         self.fair_queue_waits = Histogram(f"{PREFIX}fair_queue_wait_seconds", "Time requests waited in the fair "
@@ -296,7 +296,7 @@ class ExtProcMetrics:
                                        registry=r)
 
     def _register_cache(self, r: CollectorRegistry) -> None:
-        """The gateway cache (ext_proc/response_cache.py), by level ("memory"; "redis": the shared level)."""
+        """The gateway cache (ext_proc/cache/memory_store.py), by level ("memory"; "redis": the shared level)."""
         self.cache_requests = Counter(f"{PREFIX}cache_requests", "Cacheable requests by cache level and result: "
                                       "hit, miss, bypass (Cache-Control: no-cache: no lookup).", ["level", "result"],
                                       registry=r)

@@ -1,6 +1,6 @@
 """ext_proc's domain values and the protocols of its pick chain's plugins.
 
-A request is decided by a chain (``chain.py``; its configuration is
+A request is decided by a chain (``pick/chain.py``; its configuration is
 ``inferlb_runtime/pick_chain.py``)::
 
     filters -> sample -> cost -> budget -> admit -> scorers -> picker
@@ -8,7 +8,7 @@ A request is decided by a chain (``chain.py``; its configuration is
 The values are frozen: a plugin gets a consistent picture and cannot change
 it, and a plugin can be unit-tested with no servers at all. The names match
 the control plane's: an :class:`EndpointView` is one endpoint, a
-``FleetView`` (``xds_client.py``) the whole fleet at one moment.
+``FleetView`` (``xds/client.py``) the whole fleet at one moment.
 """
 
 from __future__ import annotations

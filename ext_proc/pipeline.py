@@ -23,13 +23,12 @@ from typing import Any
 from inferlb_runtime import plugins
 from inferlb_runtime.plugins import PolicyAllowlist
 
-from .fleet_view import PickPolicySpec, ViewSource
+from .cache.memory_store import ResponseCache
+from .cache.redis_store import RedisResponseCache
 from .metrics import ExtProcMetrics
+from .pick.router import Router
 from .quota import QuotaStore
 from .replies import Replies
-from .response_cache import ResponseCache
-from .response_cache_redis import RedisResponseCache
-from .routing import Router
 from .stage import Stages
 from .stages.admission import Admission
 from .stages.cache import GatewayCache
@@ -43,6 +42,7 @@ from .stages.quota import Quota
 from .stages.route import CheckRoute
 from .stages.usage import Usage
 from .tokens import TokenCounter
+from .xds.fleet_view import PickPolicySpec, ViewSource
 
 # The built-in stages an operator stage may run before (it runs after the count: it sees the counted request).
 BEFORE = ("quota", "models", "cache", "admission", "decide")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from .context import Answer, RequestContext
-from .fleet_view import ViewSource
 from .metrics import OTHER_MODEL, ExtProcMetrics
 from .model import Reply
+from .xds.fleet_view import ViewSource
 
 
 class Replies:

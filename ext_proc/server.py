@@ -39,21 +39,21 @@ from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.tracing import Tracing
 
 from . import wire
+from .admission.gate import FairGate
+from .cache.redis_store import RedisResponseCache
 from .context import Answer, RequestContext, Wait
-from .fair_queue import FairGate
-from .fleet_view import FleetView, PickPolicySpec, ViewSource
 from .live import live_state
 from .metrics import ExtProcMetrics, LiveState
+from .pick.registry import PluginRegistry
+from .pick.router import Router
 from .pipeline import Collaborators, build_stages
 from .quota import QuotaStore
-from .quota_memory import MemoryQuotaStore
-from .registry import PluginRegistry
-from .response_cache_redis import RedisResponseCache
-from .routing import Router
+from .quota.memory_store import MemoryQuotaStore
 from .service_settings import ServiceSettings as ServiceSettings  # importable here, as before
 from .spans import CallContext, start_span
 from .tokens import TokenCounter
 from .wire import PROCESS_METHOD, SERVICE_NAME
+from .xds.fleet_view import FleetView, PickPolicySpec, ViewSource
 
 log = logging.getLogger("inferlb.ext_proc")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .admission_rules import AdmissionRules
-from .fair_queue import GateSettings
+from .admission.gate import GateSettings
+from .admission.rules import AdmissionRules
 from .stages.operator import OperatorStageSpec
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
 from .context import Answer, RequestContext, Verdict
-from .fleet_view import FleetView
+from .xds.fleet_view import FleetView
 
 HOOKS = ("on_request_headers", "on_request", "on_response_headers", "on_response_body", "on_response_end",
          "on_end", "on_view")

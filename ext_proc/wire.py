@@ -31,9 +31,9 @@ from inferlb_runtime.hostport import id_of_authority
 from inferlb_runtime.model_routing import MODEL_HEADER
 from inferlb_runtime.protowire import ONE_BYTE, len_field, varint
 
-from .cost import parse_orca, parse_server_timing, service_seconds
-from .costing import ORCA_INFLIGHT_KEY
 from .model import Reply
+from .pick.cost import parse_orca, parse_server_timing, service_seconds
+from .pick.costing import ORCA_INFLIGHT_KEY
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 PROCESS_METHOD = "Process"
@@ -394,7 +394,7 @@ def header_value(message: pb.HttpHeaders, name: str) -> str | None:
 
 @dataclass(slots=True)
 class Learned:
-    """What a worker's response headers say, for :meth:`ext_proc.routing.Router.learn`."""
+    """What a worker's response headers say, for :meth:`ext_proc.pick.router.Router.learn`."""
 
     tokens: int | None = None  # what the worker actually ran (after truncation)
     seconds: float | None = None  # its compute time

@@ -1,6 +1,6 @@
 """The pick chain as both services name it: built-in plugins, their parameters, and the named policies.
 
-A request is decided by a chain of steps (ext_proc/chain.py runs it)::
+A request is decided by a chain of steps (ext_proc/pick/chain.py runs it)::
 
     filters -> sample -> cost -> budget -> admit -> scorers -> picker
 

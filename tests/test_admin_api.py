@@ -418,7 +418,7 @@ def test_the_control_plane_catalogue_matches_ext_procs_pick_policies() -> None:
     services may not): whatever the catalogue accepts, ext_proc builds."""
     import dataclasses
 
-    from ext_proc.registry import PluginRegistry
+    from ext_proc.pick.registry import PluginRegistry
     from inferlb_runtime.pick_chain import PRESETS
 
     registry = PluginRegistry()

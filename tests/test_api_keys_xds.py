@@ -18,8 +18,8 @@ from google.protobuf import struct_pb2
 
 from control_plane.type_urls import KEYS
 from control_plane.xds.snapshot import Encoded
-from ext_proc.tenants import KeyTable
-from ext_proc.xds_client import StaticViewSource, XdsClient, XdsClientSettings
+from ext_proc.xds.tenants import KeyTable
+from ext_proc.xds.client import StaticViewSource, XdsClient, XdsClientSettings
 from inferlb_runtime.api_keys import API_KEYS_RESOURCE, KeyEntry, Quota, hash_key
 from inferlb_runtime.request_class import Priority
 

@@ -18,7 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from control_plane import resources
 from control_plane.config import DataPlaneConfig
-from ext_proc.grpc_settings import GRPC_EXPERIMENTS_DEFAULT
+from ext_proc.fronts.grpc_settings import GRPC_EXPERIMENTS_DEFAULT
 from inferlb.bench.stack.dataplanes.envoy_static import _manager, static_bootstrap
 from inferlb.bench.ext_proc_bench.command import QUICK, settle
 from inferlb.bench.ext_proc_bench.grpc_load import grpc_drive

@@ -9,8 +9,8 @@ import pytest
 
 from examples.policies.canary import CanaryFilter, CanaryParams
 from ext_proc.model import Decision, EndpointView, RequestView
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
 from inferlb_runtime.plugins import BadPolicyParams, PolicyAllowlist
 
 SPEC = "examples.policies.canary:CanaryFilter"

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 
 import pytest
 
-from ext_proc.cost import CostModel
-from ext_proc.costing import Costing, slot_wait_s
+from ext_proc.pick.cost import CostModel
+from ext_proc.pick.costing import Costing, slot_wait_s
 from ext_proc.model import Candidate, Decision, EndpointView, RequestView
-from ext_proc.outstanding import Outstanding
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
+from ext_proc.pick.outstanding import Outstanding
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
 
 
 def endpoint(port: int, **telemetry: float) -> EndpointView:

@@ -20,9 +20,9 @@ from examples.policies.canary_weights import CanaryParams, CanaryWeightPolicy, w
 from examples.policies.sticky_session import SessionAffinity, SessionAffinityParams, stable_hash
 from ext_proc.model import Candidate, RequestView
 from ext_proc.model import EndpointView as PickEndpoint  # one endpoint as ext_proc sees it
-from ext_proc.policies import CompletionTime, MaxScore, Sampler
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
+from ext_proc.pick.policies import CompletionTime, MaxScore, Sampler
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
 from inferlb_runtime.pick_chain import CompletionTimeParams, MaxScoreParams, SampleParams
 from inferlb_runtime.plugins import BadPolicyParams, PolicyAllowlist
 

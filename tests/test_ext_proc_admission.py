@@ -14,13 +14,13 @@ import json
 
 import pytest
 
-from ext_proc.chain import within_budget
+from ext_proc.pick.chain import within_budget
 from ext_proc.model import Candidate, Decision, EndpointView, Reply, RequestView
-from ext_proc.policies import Shed
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
+from ext_proc.pick.policies import Shed
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import PickPolicySpec, static_view
+from ext_proc.xds.client import PickPolicySpec, static_view
 from inferlb_runtime.pick_chain import ShedParams, chain_spec
 from inferlb_runtime.plugins import BadPolicyParams
 from inferlb_runtime.request_class import Priority

@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.server import ServiceSettings
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import static_view
+from ext_proc.xds.client import static_view
 
 from .test_ext_proc_service import counter  # noqa: F401 - the fixture
 from .test_ext_proc_service import A, B, exchange, request_body, request_headers, serving, set_headers

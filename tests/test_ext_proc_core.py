@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 import orjson
 import pytest
 
-from ext_proc.cost import CostModel, CostParams, parse_orca, parse_server_timing, service_seconds
+from ext_proc.pick.cost import CostModel, CostParams, parse_orca, parse_server_timing, service_seconds
 from ext_proc.model import Candidate, Decision, EndpointView, RequestView
-from ext_proc.outstanding import Outstanding, OutstandingLoad
-from ext_proc.policies import InOrder, Rotate
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
+from ext_proc.pick.outstanding import Outstanding, OutstandingLoad
+from ext_proc.pick.policies import InOrder, Rotate
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
 from inferlb_runtime.pick_chain import PRESETS, LeastCompletionTimeParams, chain_spec
 from ext_proc.tokens import TokenCounter, packaged_tokenizer_path
 
@@ -594,7 +594,7 @@ def test_picker_validates_the_ranking_and_switches_policy() -> None:
         def filter(self, request: RequestView, endpoints: Sequence[EndpointView]) -> Sequence[object]:
             return self.answer
 
-    from ext_proc.guard import GuardedPlugin
+    from ext_proc.pick.guard import GuardedPlugin
 
     fleet = (endpoint(1), endpoint(2), endpoint(3, draining=True))
     ids = [e.id for e in fleet]

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ext_proc.server import ServiceSettings
 from ext_proc.tokens import TokenCounter
 from ext_proc.wire import ENDPOINT_RESPONSE_HEADER, STREAMED_CHUNK_BYTES, Subset, subset_hint
-from ext_proc.xds_client import static_view
+from ext_proc.xds.client import static_view
 
 from .test_ext_proc_service import (
     PICK,

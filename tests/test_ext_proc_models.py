@@ -16,7 +16,7 @@ from control_plane.model import Endpoint, FleetState, Health
 from ext_proc.model import EndpointView
 from ext_proc.server import ServiceSettings
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import XdsClient, XdsClientSettings, static_view
+from ext_proc.xds.client import XdsClient, XdsClientSettings, static_view
 from inferlb_runtime.model_routing import MODEL_HEADER, Rollout
 
 from .test_ext_proc_service import (

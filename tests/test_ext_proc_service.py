@@ -39,10 +39,10 @@ from ext_proc.config import load_config
 from ext_proc.metrics import ExtProcMetrics
 from ext_proc.model import EndpointView
 from ext_proc.server import ExtProcServicer, ServiceSettings
-from ext_proc.serving import GrpcFront, HealthReporter, serve_grpc
+from ext_proc.fronts.serving import GrpcFront, HealthReporter, serve_grpc
 from ext_proc.wire import COUNTED_RESPONSE_HEADER, ENDPOINT_RESPONSE_HEADER
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import (
+from ext_proc.xds.client import (
     FleetView,
     PickPolicySpec,
     StaticViewSource,
@@ -697,7 +697,7 @@ def test_the_servicer_hands_the_views_partition_to_its_picker(counter: TokenCoun
 def test_a_malformed_replica_list_is_nacked() -> None:
     from envoy.config.endpoint.v3 import endpoint_pb2
 
-    from ext_proc.xds_client import InvalidResource, parse_load_assignment
+    from ext_proc.xds.client import InvalidResource, parse_load_assignment
 
     cla = endpoint_pb2.ClusterLoadAssignment(cluster_name="workers")
     locality = cla.endpoints.add()

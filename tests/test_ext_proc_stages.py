@@ -15,17 +15,17 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from ext_proc.admission_rules import AdmissionRules
+from ext_proc.admission.rules import AdmissionRules
 from ext_proc.callers import Caller
 from ext_proc.context import Answer, RequestContext, Wait
-from ext_proc.fair_queue import GateSettings
+from ext_proc.admission.gate import GateSettings
 from ext_proc.metrics import ExtProcMetrics
 from ext_proc.model import EndpointView, Reply, RequestView
 from ext_proc.pipeline import Collaborators, build_stages, check_operator_stages
-from ext_proc.quota_memory import MemoryQuotaStore
-from ext_proc.registry import PluginRegistry
+from ext_proc.quota.memory_store import MemoryQuotaStore
+from ext_proc.pick.registry import PluginRegistry
 from ext_proc.replies import Replies
-from ext_proc.routing import Router
+from ext_proc.pick.router import Router
 from ext_proc.server import ServiceSettings
 from ext_proc.stage import Stages
 from ext_proc.stages.admission import Admission
@@ -39,7 +39,7 @@ from ext_proc.stages.quota import Quota
 from ext_proc.stages.route import CheckRoute
 from ext_proc.stages.usage import Usage
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import PickPolicySpec, StaticViewSource, static_view
+from ext_proc.xds.client import PickPolicySpec, StaticViewSource, static_view
 from inferlb_runtime.api_keys import Quota as TenantQuota
 from inferlb_runtime.plugins import PolicyAllowlist, PolicyNotFound
 from inferlb_runtime.request_class import Priority

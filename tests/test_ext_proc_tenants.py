@@ -19,9 +19,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ext_proc.callers import ANONYMOUS, identify
 from ext_proc.model import EndpointView
 from ext_proc.server import ServiceSettings
-from ext_proc.tenants import KeyTable
+from ext_proc.xds.tenants import KeyTable
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import static_view
+from ext_proc.xds.client import static_view
 from inferlb_runtime.api_keys import KeyEntry, Quota, hash_key
 from inferlb_runtime.request_class import Priority
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from ext_proc.catalogue import ModelCatalogue
-from ext_proc.failing_filter import FailingFilter
+from ext_proc.pick.catalogue import ModelCatalogue
+from ext_proc.pick.failing_filter import FailingFilter
 from ext_proc.model import EndpointView, RequestView
 from inferlb_runtime.pick_chain import FailingParams, chain_spec
 

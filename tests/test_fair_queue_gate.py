@@ -1,4 +1,4 @@
-"""The asyncio admission gate (``ext_proc/fair_queue.py``): the fast path, waiting and release in fair order,
+"""The asyncio admission gate (``ext_proc/admission/gate.py``): the fast path, waiting and release in fair order,
 cancellation, maximum waits, caps, the recheck task and the observer.
 
 No sleeps and no timing: the clock is a variable, room is a counter the test sets, the recheck task's
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ext_proc.fair_queue import CANCELLED, FairGate, GateSettings, Outcome
+from ext_proc.admission.gate import CANCELLED, FairGate, GateSettings, Outcome
 from inferlb_runtime.request_class import Priority
 
 C, S, X = int(Priority.CRITICAL), int(Priority.STANDARD), int(Priority.SHEDDABLE)

@@ -1,4 +1,4 @@
-"""The admission queue's order (``ext_proc/fair_order.py``): priority bands with aging, then weighted fair
+"""The admission queue's order (``ext_proc/admission/order.py``): priority bands with aging, then weighted fair
 queuing across tenants by virtual finish time, FIFO within a tenant; removal, expiry and the caps.
 
 Pure: the clock is an argument, so nothing here sleeps or times anything.
@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from ext_proc.fair_order import Entry, FairOrder, Refusal
+from ext_proc.admission.order import Entry, FairOrder, Refusal
 from inferlb_runtime.request_class import Priority
 
 C, S, X = int(Priority.CRITICAL), int(Priority.STANDARD), int(Priority.SHEDDABLE)

@@ -16,7 +16,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from ext_proc.fair_order import Entry, FairOrder
+from ext_proc.admission.order import Entry, FairOrder
 
 SLOTS = 4  # requests in service at once
 TOKENS_PER_S = 5_000.0  # per slot: the fleet serves 20,000 tokens/s

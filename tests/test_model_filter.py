@@ -14,13 +14,13 @@ import pytest
 from envoy.config.endpoint.v3 import endpoint_pb2
 from google.protobuf import struct_pb2
 
-from ext_proc.cost import CostModel
+from ext_proc.pick.cost import CostModel
 from ext_proc.model import Decision, EndpointView, Reply, RequestView
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
-from ext_proc.slow_start import SlowStart
-from ext_proc.catalogue import EMPTY
-from ext_proc.xds_client import FleetView, InvalidResource, parse_load_assignment, static_view
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
+from ext_proc.pick.slow_start import SlowStart
+from ext_proc.pick.catalogue import EMPTY
+from ext_proc.xds.client import FleetView, InvalidResource, parse_load_assignment, static_view
 from inferlb_runtime.model_routing import Rollout, encode_rollouts, sticky_bucket
 from inferlb_runtime.pick_chain import SlowStartParams
 

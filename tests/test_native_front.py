@@ -1,4 +1,4 @@
-"""ext_proc's native gRPC front (ext_proc/native/front.cc, ext_proc/native_server.py), through a real gRPC client.
+"""ext_proc's native gRPC front (ext_proc/native/front.cc, ext_proc/fronts/native.py), through a real gRPC client.
 
 The servicer's own behaviour on this front is tested with grpcio's in test_ext_proc_service.py (each gRPC test
 runs on both) and through real Envoy by every stack test (``auto`` picks it). Here: what the front itself owes
@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
-from ext_proc.native_server import (
+from ext_proc.fronts.native import (
     NOT_FOUND, Handler, Invocation, Messages, NativeServer, StreamAbort, load_front,
 )
 from .conftest import free_port, missing
@@ -274,7 +274,7 @@ def test_large_messages_and_many_concurrent_streams_arrive_whole() -> None:
 
 
 def test_asking_for_the_native_front_when_it_is_not_built_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ext_proc import serving
+    from ext_proc.fronts import serving
 
     monkeypatch.setattr(serving, "load_front", lambda: None)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from control_plane.policy_registry import make_weight_policy
-from ext_proc.registry import PluginRegistry
+from ext_proc.pick.registry import PluginRegistry
 from inferlb_runtime.plugins import PolicyAllowlist, PolicyNotFound
 
 

@@ -23,15 +23,15 @@ from control_plane.policy_registry import make_weight_policy
 from control_plane.scraper import ScrapeOk
 from control_plane.weight_policies import CapacityWeightPolicy
 from control_plane.xds import SnapshotCache
-from ext_proc.cost import CostModel
+from ext_proc.pick.cost import CostModel
 from ext_proc.metrics import ExtProcMetrics
-from ext_proc.chain import PickChain
-from ext_proc.guard import GuardedPlugin
+from ext_proc.pick.chain import PickChain
+from ext_proc.pick.guard import GuardedPlugin
 from ext_proc.model import Candidate, Decision, RequestView
 from ext_proc.model import EndpointView as PickEndpoint  # one endpoint as ext_proc sees it
-from ext_proc.policies import Sampler
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
+from ext_proc.pick.policies import Sampler
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
 from inferlb_runtime.pick_chain import SampleParams
 from inferlb_runtime.plugins import PolicyAllowlist
 from tests.stack import prometheus_samples, sample
@@ -252,7 +252,7 @@ def test_a_user_weight_policy_from_a_spec_runs_contained_in_the_controller() -> 
 
 
 # --- pick-chain plugins ---------------------------------------------------------------------------
-# A user plugin runs behind ext_proc's guard (ext_proc/guard.py): when it fails, the rest of the chain (the
+# A user plugin runs behind ext_proc's guard (ext_proc/pick/guard.py): when it fails, the rest of the chain (the
 # default completion-time scorer) decides that request.
 
 
@@ -454,7 +454,7 @@ def test_ext_proc_contains_a_raising_user_policy_switched_to_by_eds(tmp_path: An
     import asyncio
 
     from ext_proc.tokens import TokenCounter
-    from ext_proc.xds_client import PickPolicySpec, static_view
+    from ext_proc.xds.client import PickPolicySpec, static_view
     from tests.test_ext_proc_service import PICK, exchange, request_body, request_headers, serving, set_headers
 
     (tmp_path / "raising_policy.py").write_text(

@@ -16,9 +16,9 @@ from control_plane.policy_registry import WeightPolicyRegistry, make_weight_poli
 from control_plane.weight_policies import CapacityWeightPolicy
 from examples.policies.canary_weights import CanaryParams, CanaryWeightPolicy
 from examples.policies.sticky_session import SessionAffinity, SessionAffinityParams
-from ext_proc.guard import GuardedPlugin
-from ext_proc.policies import CompletionTime
-from ext_proc.registry import PluginRegistry
+from ext_proc.pick.guard import GuardedPlugin
+from ext_proc.pick.policies import CompletionTime
+from ext_proc.pick.registry import PluginRegistry
 from inferlb_runtime import plugins
 from inferlb_runtime.plugins import BadPolicyParams, PolicyAllowlist, PolicyNotFound
 
@@ -359,7 +359,7 @@ def test_loading_keeps_the_services_apart() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
     code = textwrap.dedent("""
         import sys
-        import ext_proc.registry, ext_proc.server, ext_proc.metrics
+        import ext_proc.pick.registry, ext_proc.server, ext_proc.metrics
         assert not [m for m in sys.modules if m.split(".")[0] == "control_plane"], "ext_proc imported control_plane"
     """)
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

@@ -1,5 +1,5 @@
-"""The quota algorithm (ext_proc/quota_algorithm.py) on an injected clock, the in-process store, and the
-rate-limit headers (ext_proc/quota.py)."""
+"""The quota algorithm (ext_proc/quota/algorithm.py) on an injected clock, the in-process store, and the
+rate-limit headers (ext_proc/quota/__init__.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from ext_proc import quota_algorithm as A
+from ext_proc.quota import algorithm as A
 from ext_proc.quota import (
     ADMITTED,
     QuotaOutcome,
@@ -18,7 +18,7 @@ from ext_proc.quota import (
     duration,
     rate_limit_headers,
 )
-from ext_proc.quota_memory import MemoryQuotaStore
+from ext_proc.quota.memory_store import MemoryQuotaStore
 from inferlb_runtime.api_keys import Quota
 
 W = A.WINDOW_MS

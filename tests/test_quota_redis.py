@@ -19,10 +19,10 @@ import redis.asyncio as aioredis
 
 from ext_proc.config import ExtProcConfig
 from ext_proc.quota import QuotaOutcome
-from ext_proc.quota_algorithm import WINDOW_MS
-from ext_proc.quota_memory import MemoryQuotaStore
-from ext_proc.quota_redis import RedisQuotaStore
-from ext_proc.quota_stores import open_quota_store
+from ext_proc.quota.algorithm import WINDOW_MS
+from ext_proc.quota.memory_store import MemoryQuotaStore
+from ext_proc.quota.redis_store import RedisQuotaStore
+from ext_proc.quota.stores import open_quota_store
 from inferlb_runtime.api_keys import Quota
 
 if TYPE_CHECKING:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ext_proc.cache_key import cacheable_request, directives, request_key
+from ext_proc.cache.key import cacheable_request, directives, request_key
 from inferlb_runtime.cache_control import CacheDirectives
-from ext_proc.response_cache import ENTRY_OVERHEAD_BYTES, CachedResponse, ResponseCache
+from ext_proc.cache.memory_store import ENTRY_OVERHEAD_BYTES, CachedResponse, ResponseCache
 
 INT8, FP32 = "all-MiniLM-L6-v2-int8", "all-MiniLM-L6-v2-fp32"
 

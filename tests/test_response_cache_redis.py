@@ -11,10 +11,10 @@ import pydantic
 import pytest
 
 from ext_proc.config import ExtProcConfig
-from ext_proc.response_cache import CachedResponse
-from ext_proc.response_cache_redis import RedisResponseCache
+from ext_proc.cache.memory_store import CachedResponse
+from ext_proc.cache.redis_store import RedisResponseCache
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import static_view
+from ext_proc.xds.client import static_view
 
 from .test_ext_proc_service import counter, serving  # noqa: F401  (the module's token counter fixture)
 from .test_response_cache_service import A, ANSWER, CACHED, INT8, ask, cache_samples, served

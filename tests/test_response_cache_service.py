@@ -16,7 +16,7 @@ import pytest
 from ext_proc.model import EndpointView
 from ext_proc.server import ServiceSettings
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import static_view
+from ext_proc.xds.client import static_view
 from inferlb_runtime.model_routing import MODEL_HEADER
 
 from .test_ext_proc_service import (

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 
 from ext_proc.model import Candidate, Decision, EndpointView, Reply, RequestView
-from ext_proc.offered_work import OfferedWork
-from ext_proc.policies import Shed
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
+from ext_proc.pick.offered_work import OfferedWork
+from ext_proc.pick.policies import Shed
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
 from ext_proc.server import ServiceSettings
 from ext_proc.tokens import TokenCounter
-from ext_proc.xds_client import static_view
+from ext_proc.xds.client import static_view
 from inferlb.sim.runner import SimOptions, shedding_params, simulate
 from inferlb_runtime.pick_chain import ShedParams, chain_spec
 from inferlb_runtime.plugins import BadPolicyParams

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from ext_proc.cost import CostModel
-from ext_proc.costing import Costing
+from ext_proc.pick.cost import CostModel
+from ext_proc.pick.costing import Costing
 from ext_proc.model import RequestView
-from ext_proc.outstanding import Outstanding
-from ext_proc.xds_client import XdsClient, XdsClientSettings
+from ext_proc.pick.outstanding import Outstanding
+from ext_proc.xds.client import XdsClient, XdsClientSettings
 
 from .stack import running_control_plane, running_sim_workers, sample
 from .test_ext_proc_service import until

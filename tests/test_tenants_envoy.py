@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from ext_proc.quota_redis import RedisQuotaStore
+from ext_proc.quota.redis_store import RedisQuotaStore
 from inferlb_runtime.api_keys import Quota
 
 from .stack import http, running_gateway, sample, wait_for

@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ext_proc.metrics import CONTENT_TYPE, ExtProcMetrics
-from ext_proc.xds_client import XdsClient, XdsClientSettings
+from ext_proc.xds.client import XdsClient, XdsClientSettings
 
 from .conftest import free_port
 from .stack import ControlPlane, running_control_plane

@@ -1,9 +1,9 @@
 """Admission: the fair gate in front of the decision, and the sheddable requests refused before they wait.
 
 When this replica's share of the fleet is saturated, a request waits its turn in the fair queue
-(``fair_queue.py``): token-weighted fair between tenants (every caller without a key is one flow per client),
-strict by class with aging, and within a flow the least work first, aged (``fair_order.py``). Room is
-counted in work (``admission_rules.py``): the predicted seconds sent per endpoint stay under a budget, so a
+(``admission/gate.py``): token-weighted fair between tenants (every caller without a key is one flow per client),
+strict by class with aging, and within a flow the least work first, aged (``admission/order.py``). Room is
+counted in work (``admission/rules.py``): the predicted seconds sent per endpoint stay under a budget, so a
 short request fits in a gap that a long one does not, and an idle endpoint always takes one. A request whose
 predicted wait is past its maximum is refused at once, with that prediction as its Retry-After.
 
@@ -20,16 +20,16 @@ import time
 
 from inferlb_runtime.request_class import Priority
 
-from ..admission_rules import RATE_PROBE_TOKENS, AdmissionRules
-from ..cache_key import cacheable_request, directives
+from ..admission.gate import FairGate, GateSettings, Outcome
+from ..admission.rules import RATE_PROBE_TOKENS, AdmissionRules
+from ..cache.key import cacheable_request, directives
 from ..context import Answer, RequestContext, Verdict, Wait
-from ..fair_queue import FairGate, GateSettings, Outcome
-from ..fleet_view import FleetView, ViewSource
 from ..metrics import ExtProcMetrics
 from ..model import Reply, RequestView
+from ..pick.router import Router
 from ..replies import Replies
-from ..routing import Router
 from ..wire import source_host
+from ..xds.fleet_view import FleetView, ViewSource
 
 log = logging.getLogger("inferlb.ext_proc")
 

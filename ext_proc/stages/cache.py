@@ -1,4 +1,4 @@
-"""The gateway cache (``response_cache.py``, keys in ``cache_key.py``): a repeated ``POST /v1/embeddings``
+"""The gateway cache (``cache/memory_store.py``, keys in ``cache/key.py``): a repeated ``POST /v1/embeddings``
 answered with the stored 200, and a miss's answer stored on its way back.
 
 It runs once the quota is checked (a hit uses it as a served request does) and before the fair queue and the
@@ -19,17 +19,17 @@ from collections.abc import Mapping
 from inferlb_runtime.model_routing import MODEL_HEADER
 
 from .. import wire
-from ..cache_key import cacheable_request, directives, request_key
-from ..catalogue import ModelCatalogue
+from ..cache.key import cacheable_request, directives, request_key
+from ..cache.memory_store import CachedResponse, ResponseCache
+from ..cache.redis_store import RedisResponseCache
 from ..context import Answer, RequestContext, Verdict, Wait
-from ..fleet_view import FleetView, ViewSource
 from ..metrics import ExtProcMetrics
 from ..model import Reply
+from ..pick.catalogue import ModelCatalogue
+from ..pick.router import Router
 from ..quota import rate_limit_headers
-from ..response_cache import CachedResponse, ResponseCache
-from ..response_cache_redis import RedisResponseCache
-from ..routing import Router
 from ..tokens import TokenCounter
+from ..xds.fleet_view import FleetView, ViewSource
 
 log = logging.getLogger("inferlb.ext_proc")
 

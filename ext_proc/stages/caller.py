@@ -18,10 +18,10 @@ from inferlb_runtime.request_class import OBJECTIVE_HEADER, BadRequestHeader, Pr
 from .. import wire
 from ..callers import AUTHORIZATION_HEADER, Caller, identify
 from ..context import Answer, RequestContext
-from ..fleet_view import ViewSource
 from ..metrics import ExtProcMetrics
 from ..model import Reply
 from ..wire import PREDICTED_HEADER, TOKENS_HEADER
+from ..xds.fleet_view import ViewSource
 
 
 class IdentifyCaller:

@@ -1,4 +1,4 @@
-"""Decide: ask the router (the pick chain, ``routing.py``) where the request goes.
+"""Decide: ask the router (the pick chain, ``pick/router.py``) where the request goes.
 
 A pick: the ``x-gateway-destination-endpoint`` header and the same value as dynamic metadata ``envoy.lb``
 (primary first, then retry fallbacks), plus ``x-inferlb-tokens`` and ``x-inferlb-predicted-ms`` for the
@@ -18,11 +18,11 @@ import time
 
 from .. import wire
 from ..context import Answer, RequestContext
-from ..fleet_view import FleetView, PickPolicySpec, ViewSource
 from ..metrics import ExtProcMetrics
 from ..model import Decision, Reply, RequestView
+from ..pick.router import Router
 from ..replies import Replies
-from ..routing import Router
+from ..xds.fleet_view import FleetView, PickPolicySpec, ViewSource
 
 log = logging.getLogger("inferlb.ext_proc")
 

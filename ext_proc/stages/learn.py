@@ -17,8 +17,8 @@ from inferlb_runtime.model_routing import MODEL_HEADER
 from .. import wire
 from ..context import RequestContext
 from ..metrics import OTHER_MODEL, ExtProcMetrics
+from ..pick.router import Router
 from ..replies import Replies
-from ..routing import Router
 
 
 class Learn:

@@ -12,12 +12,12 @@ import time
 from urllib.parse import unquote
 
 from .. import wire
-from ..catalogue import ModelCatalogue
 from ..context import Answer, RequestContext
-from ..fleet_view import ViewSource
 from ..metrics import OTHER_MODEL, ExtProcMetrics
 from ..model import Reply
+from ..pick.catalogue import ModelCatalogue
 from ..quota import rate_limit_headers
+from ..xds.fleet_view import ViewSource
 
 
 class ListModels:

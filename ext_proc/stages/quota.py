@@ -1,4 +1,4 @@
-"""Quota: take the request's tokens from its tenant's quota (``quota.py``), and give back what a request
+"""Quota: take the request's tokens from its tenant's quota (``ext_proc/quota/``), and give back what a request
 that never ran did not use.
 
 A caller without a quota costs nothing here. The quota store may be a round trip away (Redis): the
@@ -17,7 +17,7 @@ from ..context import Answer, RequestContext, Verdict, Wait
 from ..metrics import ExtProcMetrics
 from ..model import Reply
 from ..quota import Lease, QuotaStore, rate_limit_headers
-from ..quota_reply import quota_reply
+from ..quota.reply import quota_reply
 
 log = logging.getLogger("inferlb.ext_proc")
 

@@ -42,10 +42,10 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ext_proc.costing import ORCA_INFLIGHT_KEY
+from ext_proc.pick.costing import ORCA_INFLIGHT_KEY
 from ext_proc.model import Decision, EndpointView, Reply, RequestView
-from ext_proc.registry import PluginRegistry
-from ext_proc.routing import Router
+from ext_proc.pick.registry import PluginRegistry
+from ext_proc.pick.router import Router
 from inferlb_runtime.pick_chain import DEFAULT_PICK_POLICY, PRESETS
 from inferlb_runtime.request_class import Priority
 

@@ -4,7 +4,7 @@
 on 127.0.0.1:PORT (and on the Unix socket UDS_PATH when given); once it listens, 127.0.0.1:READY_PORT answers
 any HTTP request with 200 (the ``ProcessGroup``'s readiness probe speaks HTTP, not gRPC). It runs on uvloop,
 ext_proc's default loop, and on either of ext_proc's gRPC fronts: grpcio's aio server (the default), with
-grpc as ext_proc sets it (``ext_proc.grpc_settings``), or the native front (``ext_proc.native_server``),
+grpc as ext_proc sets it (``ext_proc.fronts.grpc_settings``), or the native front (``ext_proc.fronts.native``),
 so that the floor compares like with like. SIGTERM or SIGINT stops it.
 """
 
@@ -53,7 +53,7 @@ async def _serve_grpcio(targets: list[str]) -> Any:
 def _serve_native(targets: list[str]) -> Any:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-    from ext_proc.native_server import Invocation, Messages, NativeServer, load_front
+    from ext_proc.fronts.native import Invocation, Messages, NativeServer, load_front
     from ext_proc.wire import PROCESS_METHOD, SERVICE_NAME
 
     front = load_front()
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     import uvloop
 
-    from ext_proc.grpc_settings import use_grpc_defaults
+    from ext_proc.fronts.grpc_settings import use_grpc_defaults
 
     use_grpc_defaults()  # the grpc ext_proc runs on, so that the floor compares like with like
     uvloop.run(serve(args.port, args.ready_port, args.uds_path, args.front))

@@ -40,7 +40,7 @@ import orjson
 from ..ext_proc_bench.grpc_load import PROCESS_METHOD, header_map
 from ..load.texts import MODEL, VARIANTS, text_with_tokens
 
-WINDOW_MS = 60_000  # the quota algorithm's window (ext_proc.quota_algorithm.WINDOW_MS)
+WINDOW_MS = 60_000  # the quota algorithm's window (ext_proc.quota.algorithm.WINDOW_MS)
 PATH = "/v1/embeddings"
 TOKENS_HEADER = "x-inferlb-tokens"
 RESET_TOKENS_HEADER = "x-ratelimit-reset-tokens"

@@ -70,8 +70,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _measure(args: argparse.Namespace) -> list[Row]:
-    from ext_proc.quota_memory import MemoryQuotaStore
-    from ext_proc.tenants import KeyTable
+    from ext_proc.quota.memory_store import MemoryQuotaStore
+    from ext_proc.xds.tenants import KeyTable
 
     keys = [new_key() for _ in range(args.keys)]
     table = KeyTable.of("bench", (KeyEntry(hash_key(k), f"key-{i}", f"bench-{i % 100}", quota=QUOTA)
@@ -111,7 +111,7 @@ async def _cpu_per_call(call: Callable[[int], Awaitable[None]], n: int) -> float
 
 async def _measure_redis(url: str, table, keys: list[str], n: int) -> list[Row]:
     """Per request: acquire + release, one at a time, for a key without and with tokens in flight."""
-    from ext_proc.quota_redis import RedisQuotaStore
+    from ext_proc.quota.redis_store import RedisQuotaStore
 
     store = RedisQuotaStore.from_url(url, timeout_s=5.0)  # a bench measures: it does not fail open
     rows = []

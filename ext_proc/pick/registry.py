@@ -2,14 +2,14 @@
 
 A policy is a preset name and its params (``inferlb_runtime/pick_chain.py``
 validates both and expands them into a chain). Built-in plugins are built
-from ``policies.py``. A user plugin is named by an ``inferlb.policies`` entry
+from ``pick/policies.py``. A user plugin is named by an ``inferlb.policies`` entry
 point (its class declares ``kind = "admit" | "filter" | "scorer"``) or by a
 ``module:attribute`` spec under a module prefix this registry's allowlist
 names (ext_proc's own configuration, ``allowed_policy_modules``: none by
 default). The control plane never imports a plugin for ext_proc: it sends
 ``{name, params}`` in EDS metadata and each ext_proc builds the chain here,
 checking the allowlist again. User plugins run behind a guard
-(``guard.py``) reporting to this registry's failure observer.
+(``pick/guard.py``) reporting to this registry's failure observer.
 
 ext_proc-local plugins come from ext_proc's own configuration, not from the
 policy: ``slow_start`` (its window) is one instance, put in every chain built

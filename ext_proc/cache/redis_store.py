@@ -9,7 +9,7 @@ on a logical clock, ``<prefix>clock``: uses within one millisecond still have an
 One put is one script, one round trip: it forgets entries past their TTL, stores the new one, and drops the
 least recently used while over the budget (counted as evictions). A lookup is one script too: the GET, and
 on a hit the entry's last use, so the popular answers (the Zipf head) stay while one-off ones go. Keys are
-the request key in hex (``cache_key.py``).
+the request key in hex (``cache/key.py``).
 
 Redis unreachable, failing or slower than the timeout: a lookup is a miss and a store is skipped, never a
 failed request; for a short back-off after a failure Redis is not tried (a dead Redis must not cost every
@@ -27,7 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from .response_cache import CachedResponse
+from .memory_store import CachedResponse
 
 log = logging.getLogger(__name__)
 

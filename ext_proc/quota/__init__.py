@@ -10,7 +10,7 @@ request and tokens when the request was then shed or could not be routed
 (it did no work, so it should cost nothing).
 
 Two stores implement :class:`QuotaStore` with one algorithm
-(``ext_proc/quota_algorithm.py``): in process (``quota_memory``, one
+(``ext_proc/quota/algorithm.py``): in process (``quota_memory``, one
 replica) and in Redis (``quota_redis``, shared by replicas). Standard library
 only: this module is the contract both sides (the stores and the request path)
 import.

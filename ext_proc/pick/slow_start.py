@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 
 from inferlb_runtime.pick_chain import SlowStartParams
 
+from ..model import EndpointView, RequestView
 from .catalogue import ModelCatalogue
-from .model import EndpointView, RequestView
 
 
 class SlowStart:

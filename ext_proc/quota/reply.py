@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from .model import Reply
-from .quota import QuotaOutcome, rate_limit_headers
+from ..model import Reply
+from . import QuotaOutcome, rate_limit_headers
 
 _LIMITS = {
     "tokens_per_minute": ("tokens", "tokens per min (TPM)"),

@@ -2,14 +2,14 @@
 
 ext_proc is an xDS client like Envoy: it subscribes to EDS for the ``workers``
 ClusterLoadAssignment, and to the API key table (``inferlb-api-keys``, a
-``google.protobuf.Struct``: :mod:`ext_proc.tenants`) on the same stream. Three
+``google.protobuf.Struct``: :mod:`ext_proc.xds.tenants`) on the same stream. Three
 modules share the work:
 
-* :mod:`ext_proc.fleet_view`: the :class:`FleetView` the per-request path
+* :mod:`ext_proc.xds.fleet_view`: the :class:`FleetView` the per-request path
   reads, and the :class:`ViewSource` protocol it is read through;
-* :mod:`ext_proc.eds_view`: building a view from the control plane's rich
+* :mod:`ext_proc.xds.eds_view`: building a view from the control plane's rich
   ClusterLoadAssignment (telemetry, pick policy, partition, model routing);
-* :mod:`ext_proc.ads_stream`: the stream itself (Delta or state of the world,
+* :mod:`ext_proc.xds.ads_stream`: the stream itself (Delta or state of the world,
   resume, ACK/NACK framing, mTLS, reconnects with backoff).
 
 This module is what they serve: :class:`XdsClient` holds the latest accepted

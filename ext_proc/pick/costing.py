@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from .model import Candidate, EndpointView, RequestView
+from ..model import Candidate, EndpointView, RequestView
 from .outstanding import Outstanding
 
 ORCA_INFLIGHT_KEY = "named_metrics.inflight"
@@ -74,7 +74,7 @@ def slot_wait_s(work_s: float, requests: float, slots: float) -> float:
 
 
 class CostPredictor(Protocol):
-    """What costing needs of the cost model (``ext_proc.cost.CostModel``)."""
+    """What costing needs of the cost model (``ext_proc.pick.cost.CostModel``)."""
 
     def predict(self, endpoint_id: str, tokens: int, telemetry: Mapping[str, float] | None = None,
                 model: str | None = None) -> float: ...

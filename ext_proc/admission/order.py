@@ -1,7 +1,7 @@
 """The order in which requests waiting at admission are let through: priority bands, then fair shares.
 
 When the fleet is saturated, ext_proc holds requests before routing them
-(``fair_queue.py``, the asyncio gate) and releases them as capacity frees,
+(``admission/gate.py``, the asyncio gate) and releases them as capacity frees,
 in this order. It is pure: the caller passes the clock (``now``, any
 monotonic seconds, and each entry's arrival time), and it imports nothing
 but the standard library, so a simulation on a virtual clock can use it as

@@ -1,4 +1,4 @@
-"""The :class:`~ext_proc.fleet_view.FleetView` a ClusterLoadAssignment from the control plane describes.
+"""The :class:`~ext_proc.xds.fleet_view.FleetView` a ClusterLoadAssignment from the control plane describes.
 
 The control plane serves ext_proc's node cluster (``inferlb-ext-proc``) a rich
 variant of the ``workers`` assignment: per endpoint,
@@ -29,8 +29,8 @@ from google.protobuf.message import DecodeError
 from inferlb_runtime.model_routing import (ALIASES_KEY, DEFAULT_POOL, MODEL_NAME_PATTERN, MODELS_KEY, POOL_KEY,
                                            ROLLOUTS_KEY, InvalidRollouts, Rollout, decode_rollouts)
 
+from ..model import EndpointView
 from .fleet_view import FleetView, PickPolicySpec
-from .model import EndpointView
 
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 METADATA_NAMESPACE = "inferlb"

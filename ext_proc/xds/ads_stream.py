@@ -3,7 +3,7 @@
 It subscribes to EDS for the ``workers`` ClusterLoadAssignment and to the API
 key table (``inferlb-api-keys``) on the same stream, each type with its own
 version and nonce, and hands every response to a :class:`Subscriber` (the
-:class:`~ext_proc.xds_client.XdsClient`), whose answer is the ACK (None) or
+:class:`~ext_proc.xds.client.XdsClient`), whose answer is the ACK (None) or
 the NACK's reason. What to make of a response is not this module's business:
 it frames the wire protocol.
 

@@ -6,8 +6,8 @@ stream ends however it ends. The simulator (``inferlb/sim/ext_proc_model.py``) c
 its simulated clock, so what it measures is this code, not a copy of it.
 
 The router owns what outlives a policy switch: the cost model, the outstanding ledger, the load reports
-(``costing.py``) and the head filters of every chain (``routable``, then this replica's ``partition``,
-run once per EDS view); the policy's own steps are a :class:`~ext_proc.chain.PickChain` swapped whole by
+(``pick/costing.py``) and the head filters of every chain (``routable``, then this replica's ``partition``,
+run once per EDS view); the policy's own steps are a :class:`~ext_proc.pick.chain.PickChain` swapped whole by
 :meth:`set_policy`.
 """
 
@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ..model import Decision, EndpointView, Reply, RequestView
 from .catalogue import EMPTY, ModelCatalogue
 from .chain import PickChain
 from .cost import CostModel
 from .costing import Costing
-from .model import Decision, EndpointView, Reply, RequestView
 from .outstanding import Outstanding
 from .policies import Partition, routable
 from .registry import PluginRegistry

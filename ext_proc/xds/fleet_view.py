@@ -2,9 +2,9 @@
 
 A view is replaced as a whole on each accepted update (an attribute swap is
 atomic on the event loop): a decision never sees half an update; the same for
-the :class:`~ext_proc.tenants.KeyTable`. A :class:`ViewSource` hands out the
+the :class:`~ext_proc.xds.tenants.KeyTable`. A :class:`ViewSource` hands out the
 latest of both and calls listeners after each swap: the xDS client
-(:mod:`ext_proc.xds_client`) in production, a :class:`StaticViewSource` in
+(:mod:`ext_proc.xds.client`) in production, a :class:`StaticViewSource` in
 tests and without a control plane.
 """
 
@@ -19,8 +19,8 @@ from typing import Any, Callable, Generic, Mapping, Protocol, Sequence, TypeVar
 
 from inferlb_runtime.model_routing import Rollout
 
-from .catalogue import ModelCatalogue
-from .model import EndpointView
+from ..model import EndpointView
+from ..pick.catalogue import ModelCatalogue
 from .tenants import KeyTable
 
 log = logging.getLogger("inferlb.ext_proc.xds")

@@ -4,7 +4,7 @@ One check is one Lua script, so one round trip (``EVALSHA``; the script is
 loaded again by itself after a Redis restart). Redis runs a script
 atomically, so concurrent checks from any number of replicas serialise and a
 window never admits more than its quota. The script is
-:mod:`ext_proc.quota_algorithm` written again in Lua, with the same integer
+:mod:`ext_proc.quota.algorithm` written again in Lua, with the same integer
 arithmetic, and tests drive both with the same sequences. It reads the time
 from Redis (``TIME``), so the replicas need no clock agreement.
 
@@ -45,8 +45,8 @@ from redis.exceptions import RedisError, TimeoutError as RedisTimeout
 
 from inferlb_runtime.api_keys import Quota
 
-from .quota import ADMITTED, FailureMode, Lease, NoQuotaObserver, QuotaObserver, QuotaOutcome, decision_result
-from .quota_algorithm import IN_FLIGHT_RETRY_MS, WINDOW_MS, Decision, to_outcome
+from . import ADMITTED, FailureMode, Lease, NoQuotaObserver, QuotaObserver, QuotaOutcome, decision_result
+from .algorithm import IN_FLIGHT_RETRY_MS, WINDOW_MS, Decision, to_outcome
 
 log = logging.getLogger(__name__)
 

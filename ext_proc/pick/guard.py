@@ -31,7 +31,7 @@ from typing import Any
 
 from inferlb_runtime import plugins
 
-from .model import Candidate, EndpointView, Reply, RequestView
+from ..model import Candidate, EndpointView, Reply, RequestView
 
 log = logging.getLogger("inferlb.ext_proc.policy")
 

@@ -44,8 +44,8 @@ from inferlb_runtime.pick_chain import (CompletionTimeParams, InOrderParams, Max
                                         SampleParams, ShedParams)
 from inferlb_runtime.request_class import Priority
 
+from ..model import Candidate, Decision, EndpointView, Reply, RequestView
 from .catalogue import ModelCatalogue
-from .model import Candidate, Decision, EndpointView, Reply, RequestView
 from .failing_filter import FailingFilter
 from .model_filter import ModelFilter
 from .offered_work import OfferedWork
@@ -195,7 +195,7 @@ class Shed:
     ``priority`` (the default), the workers' class order is counted: the critical and standard requests
     that arrive while it waits are served first, so its time there ``B + c`` (queued work and its own
     cost) is stretched to ``(B + c) / (1 - rho)``, ``rho`` the utilisation those classes offer that
-    endpoint (``offered_work.py``: the predicted seconds this ext_proc routed there per second, observed
+    endpoint (``pick/offered_work.py``: the predicted seconds this ext_proc routed there per second, observed
     through :meth:`decided`, over the endpoint's slots); at ``rho >= 1`` it would not be served within any SLO. That is the
     preemptive-resume priority queue's response time; the workers do not preempt, so it overstates a
     long request's by ``c * rho / (1 - rho)``, on purpose: a long sheddable request holds a worker

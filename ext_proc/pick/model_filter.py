@@ -6,7 +6,7 @@ chain rather than a chain of its own: every preset's filters start with it
 (``inferlb_runtime/pick_chain.py``), and a policy's own filters come after.
 
 Resolution of the body's ``model``, once per request, before any filter
-(:meth:`ModelFilter.resolve`), against the view's catalogue (``catalogue.py``):
+(:meth:`ModelFilter.resolve`), against the view's catalogue (``pick/catalogue.py``):
 
 1. a rollout alias: one of its versions, by the rollout's split
    (:meth:`Rollout.choose`) with the next bucket of the alias's low-discrepancy
@@ -46,8 +46,8 @@ from collections.abc import Sequence
 from inferlb_runtime.model_routing import Rollout, sticky_bucket
 from inferlb_runtime.pick_chain import ModelParams
 
+from ..model import EndpointView, Reply, RequestView
 from .catalogue import EMPTY, ModelCatalogue
-from .model import EndpointView, Reply, RequestView
 
 # The golden ratio's fractional part: bucket n of an alias is frac(offset + n * GOLDEN), the additive
 # recurrence with the lowest discrepancy. Uniform draws put a 10% canary at 10% +- 1.3 points (one

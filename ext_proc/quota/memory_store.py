@@ -1,6 +1,6 @@
 """The in-process quota store: the default for one ext_proc replica.
 
-Each check runs :func:`ext_proc.quota_algorithm.acquire` on the tenant's state
+Each check runs :func:`ext_proc.quota.algorithm.acquire` on the tenant's state
 and stores the new state, with no ``await`` in between, so coroutines that
 interleave on the event loop never see half a check and no lock is needed.
 Tenants whose counters have all run out are dropped once a window, so idle
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from inferlb_runtime.api_keys import Quota
 
-from . import quota_algorithm as algorithm
-from .quota import ADMITTED, Lease, NoQuotaObserver, QuotaObserver, QuotaOutcome, decision_result
+from . import algorithm as algorithm
+from . import ADMITTED, Lease, NoQuotaObserver, QuotaObserver, QuotaOutcome, decision_result
 
 DEFAULT_LEASE_TTL_S = 300.0
 

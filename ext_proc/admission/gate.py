@@ -63,7 +63,7 @@ from typing import Protocol
 from inferlb_runtime.request_class import AGING_S
 from inferlb_runtime.supervision import FailureObserver, Supervised
 
-from .fair_order import Entry, FairOrder, Refusal
+from .order import Entry, FairOrder, Refusal
 
 log = logging.getLogger("inferlb.ext_proc.fair_queue")
 

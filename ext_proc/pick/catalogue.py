@@ -3,7 +3,7 @@
 The control plane publishes, per endpoint, the versions it serves and the
 aliases it answers to, and on the locality the rollout table
 (``inferlb_runtime/model_routing.py``). ext_proc resolves a request's
-``model`` against this catalogue (``model_filter.py``) and answers
+``model`` against this catalogue (``pick/model_filter.py``) and answers
 ``GET /v1/models`` from it. Deriving it per view, not per request, keeps a
 resolution to a few dictionary look-ups whatever the fleet's size.
 
@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from inferlb_runtime.model_routing import Rollout
 
-from .model import EndpointView, Reply
+from ..model import EndpointView, Reply
 
 
 def _nothing() -> Mapping[str, Any]:

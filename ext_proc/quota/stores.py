@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .quota import FailureMode, QuotaObserver, QuotaStore, check_store_url
-from .quota_memory import MemoryQuotaStore
-from .quota_redis import RedisQuotaStore
+from . import FailureMode, QuotaObserver, QuotaStore, check_store_url
+from .memory_store import MemoryQuotaStore
+from .redis_store import RedisQuotaStore
 
 
 def open_quota_store(url: str, failure_mode: FailureMode = "open", timeout_s: float = 0.05,

@@ -2,14 +2,14 @@
 
     filters -> sample -> cost -> budget -> admit -> scorers -> picker
 
-Built by the registry (``registry.py``) from a policy's configuration
-(``inferlb_runtime/pick_chain.py``); run by the router (``routing.py``),
+Built by the registry (``pick/registry.py``) from a policy's configuration
+(``inferlb_runtime/pick_chain.py``); run by the router (``pick/router.py``),
 which owns what outlives a policy switch (the cost model, the outstanding
 ledger, and the head filters ``routable`` and ``partition`` that every chain
 starts with: the router runs them once per EDS view and hands their result in).
 
 Before the filters, a filter that resolves (the built-in ``model`` filter: see
-``model_filter.py``) may rewrite the request (the model version it runs on,
+``pick/model_filter.py``) may rewrite the request (the model version it runs on,
 which the costing predicts for) or answer it (an unknown model's 404). Built-in
 plugins that watch the view (``model``, ``slow_start``) are told each new one
 by the router, once; those that watch the decisions (``shed``: the work routed
@@ -33,9 +33,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .costing import Costing
+from ..model import Admit, Candidate, Decision, EndpointView, Filter, Picker, Reply, RequestView, Scorer
 from .catalogue import ModelCatalogue
-from .model import Admit, Candidate, Decision, EndpointView, Filter, Picker, Reply, RequestView, Scorer
+from .costing import Costing
 from .policies import Sampler, Shed
 
 

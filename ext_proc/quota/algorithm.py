@@ -29,7 +29,7 @@ from typing import Mapping
 
 from inferlb_runtime.api_keys import Quota
 
-from .quota import (
+from . import (
     MAX_TOKENS_IN_FLIGHT,
     REQUESTS_PER_MINUTE,
     TOKENS_PER_MINUTE,

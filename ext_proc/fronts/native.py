@@ -31,7 +31,7 @@ Metadata = Sequence[tuple[str, bytes]]
 def load_front() -> ModuleType | None:
     """The compiled front, or None when it was not built (no gRPC C++ at install time; see setup.py)."""
     try:
-        from . import _native_front  # type: ignore[attr-defined]
+        from .. import _native_front  # type: ignore[attr-defined]
     except ImportError:
         return None
     return _native_front

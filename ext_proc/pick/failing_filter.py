@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 from inferlb_runtime.pick_chain import FailingParams
 
+from ..model import EndpointView, RequestView
 from .catalogue import ModelCatalogue
-from .model import EndpointView, RequestView
 
 
 class FailingFilter:

@@ -12,10 +12,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from .native_server import NOT_FOUND, Invocation, Messages, NativeServer, StreamAbort, load_front
-from .server import ExtProcServicer
-from .wire import PROCESS_METHOD, SERVICE_NAME
-from .xds_client import FleetView, ViewSource
+from ..server import ExtProcServicer
+from ..wire import PROCESS_METHOD, SERVICE_NAME
+from ..xds.client import FleetView, ViewSource
+from .native import NOT_FOUND, Invocation, Messages, NativeServer, StreamAbort, load_front
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The door: the fair queue's order, its asyncio gate, and the rules for room and waits."""

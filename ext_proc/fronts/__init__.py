@@ -1,0 +1,1 @@
+"""ext_proc's gRPC fronts: grpcio's and the native one (gRPC C++), and grpc's settings."""
