@@ -7,7 +7,6 @@ import asyncio
 import dataclasses
 import logging
 import logging.config
-import signal
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from pydantic import ValidationError
 from inferlb_runtime.http import EmbeddedServer
 from inferlb_runtime.logs import configure_json_logging
 from inferlb_runtime.plugins import PolicyAllowlist
+from inferlb_runtime.signals import stop_on_signals
 from inferlb_runtime.supervision import Supervised
 
 from . import pick_catalogue
@@ -181,15 +181,6 @@ def start_loops(controller: Controller, scraper: Scraper, metrics: ControlPlaneM
         loops.append(asyncio.create_task(Supervised("usage-ingest", observer=metrics, logger=log).run(usage.run),
                                          name="usage-ingest"))
     return loops
-
-
-def stop_on_signals() -> asyncio.Event:
-    """An event SIGINT and SIGTERM set."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 async def stopped_or_failed(stop: asyncio.Event, watched: Sequence[asyncio.Task[Any]]) -> bool:

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import logging.config
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Coroutine, Sequence
@@ -23,6 +22,7 @@ from pydantic import ValidationError
 from inferlb_runtime.http import EmbeddedServer
 from inferlb_runtime.logs import configure_json_logging
 from inferlb_runtime.pick_chain import PRESETS
+from inferlb_runtime.signals import stop_on_signals
 from inferlb_runtime.tls import PemFiles, load_pem_files
 from inferlb_runtime.tracing import Tracing, TracingConfig, start_tracing
 
@@ -119,15 +119,6 @@ def metrics_server(config: ExtProcConfig, metrics: ExtProcMetrics, xds: XdsClien
         create_http_app(metrics, not_ready), host=config.metrics_address, port=config.metrics_port,
         log_config=None, access_log=False, lifespan="off",
     ))
-
-
-def stop_on_signals() -> asyncio.Event:
-    """An event SIGINT and SIGTERM set (the loop's handlers replace the default: no abrupt exit)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 async def until_stopped(stop: asyncio.Event, tasks: Sequence[asyncio.Task[Any]]) -> None:
