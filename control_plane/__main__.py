@@ -21,24 +21,24 @@ from inferlb_runtime.plugins import PolicyAllowlist
 from inferlb_runtime.signals import stop_on_signals
 from inferlb_runtime.supervision import Supervised
 
-from . import pick_catalogue
-from .autoscale import Autoscaler
 from .admin import AdminService, create_admin_app
 from .auth import AdminToken, TokenError, resolve_admin_token
+from .autoscale import Autoscaler
 from .config import ControlPlaneConfig, load_config
 from .controller import Controller, initial_state
-from .host_allowlist import AllowedHosts
 from .discovery.service import start_discovery, stop_discovery
+from .host_allowlist import AllowedHosts
 from .metrics import ControlPlaneMetrics
 from .nginx.applier import NginxApplier
 from .nginx.process import NginxError
-from .policy import WeightPolicy
-from .policy_registry import WeightPolicyRegistry
-from .replica_activity import watch_replicas
-from .scraper import Scraper, ScraperConfig
+from .policies import pick_catalogue
+from .policies.contract import WeightPolicy
+from .policies.registry import WeightPolicyRegistry
 from .serving import TlsConfigError, admin_tls_arguments, warn_plaintext, xds_server_settings
 from .store import OperatorState, OperatorStore, StoreError, live_key_entries, open_store, restore
 from .store.follow import follow
+from .telemetry.replica_activity import watch_replicas
+from .telemetry.scraper import Scraper, ScraperConfig
 from .usage.ingest import UsageIngest
 from .xds import SnapshotCache, serve_xds, stop_xds
 

@@ -38,7 +38,7 @@ from typing import Iterable, Mapping
 from inferlb_runtime.model_routing import DEFAULT_POOL
 
 from .model import Endpoint
-from .telemetry import is_stale
+from .telemetry.parse import is_stale
 
 DESIRED_REPLICAS_METRIC = "inferlb_autoscale_desired_replicas"
 ONGOING_REQUESTS_METRIC = "inferlb_fleet_ongoing_requests"

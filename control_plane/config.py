@@ -27,8 +27,8 @@ from inferlb_runtime.tls import all_or_none
 from inferlb_runtime.tracing import TracingConfig
 
 from .auth import is_loopback
-from .host_allowlist import check_allowed_host
 from .autoscale import AutoscaleSettings
+from .host_allowlist import check_allowed_host
 from .model import DataPlaneSettings, EnvoyTracing, ExtProcSettings
 from .nginx.config import NginxConfig
 

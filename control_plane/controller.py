@@ -42,11 +42,11 @@ from .discovery.model import DiscoverySnapshot, DiscoverySource
 from .discovery.reconcile import Override, Reconciled, SourceMemory, reconcile
 from .metrics import ControlPlaneMetrics
 from .model import Endpoint, FleetState, Health
-from .policy import WeightPolicy, fleet_view
-from .policy_guard import WeightPolicyGuard
-from .policy_registry import WeightPolicyRegistry
+from .policies.contract import WeightPolicy, fleet_view
+from .policies.guard import WeightPolicyGuard
+from .policies.registry import WeightPolicyRegistry
 from .resources import EndpointMemo, build_api_keys, build_static_resources, encode_load_assignment
-from .scraper import ScrapeResult, apply_scrape_results
+from .telemetry.scraper import ScrapeResult, apply_scrape_results
 from .type_urls import ENDPOINT, KEYS
 from .xds import Snapshot, SnapshotCache, make_epoch
 from .xds.snapshot import Encoded

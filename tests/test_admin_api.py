@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from control_plane import pick_catalogue
+from control_plane.policies import pick_catalogue
 from control_plane.type_urls import ENDPOINT
 
 from .conftest import free_port

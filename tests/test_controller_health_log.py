@@ -11,7 +11,7 @@ import pytest
 from control_plane.config import ControlPlaneConfig
 from control_plane.controller import Controller
 from control_plane.model import Telemetry
-from control_plane.scraper import ScrapeFailed, ScrapeOk
+from control_plane.telemetry.scraper import ScrapeFailed, ScrapeOk
 from control_plane.xds import SnapshotCache
 
 ENDPOINT = "127.0.0.1:9001"

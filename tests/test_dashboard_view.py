@@ -29,7 +29,7 @@ from control_plane.api_models import (
     XdsClients,
 )
 from control_plane.admin.dashboard import STATIC_DIR, STATIC_FILES, sse_event
-from control_plane.telemetry import parse_families
+from control_plane.telemetry.parse import parse_families
 
 A, B = "127.0.0.1:8101", "127.0.0.1:8102"
 

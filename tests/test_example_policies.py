@@ -13,9 +13,9 @@ from random import Random
 import pytest
 
 from control_plane.model import Health, Telemetry
-from control_plane.policy import EndpointView, FleetView
-from control_plane.policy_registry import make_weight_policy
-from control_plane.weight_policies import CapacityWeightPolicy
+from control_plane.policies.contract import EndpointView, FleetView
+from control_plane.policies.registry import make_weight_policy
+from control_plane.policies.builtins import CapacityWeightPolicy
 from examples.policies.canary_weights import CanaryParams, CanaryWeightPolicy, with_canary_share
 from examples.policies.sticky_session import SessionAffinity, SessionAffinityParams, stable_hash
 from ext_proc.model import Candidate, RequestView

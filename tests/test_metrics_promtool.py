@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from control_plane.replica_activity import SAMPLES, read_exposition
+from control_plane.telemetry.replica_activity import SAMPLES, read_exposition
 
 from .conftest import WorkerProcess
 from .exposition import exercised_gateway, run_promtool, scrape

@@ -23,8 +23,8 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from control_plane.replica_activity import watch_replicas
-from control_plane.scraper import ScraperConfig
+from control_plane.telemetry.replica_activity import watch_replicas
+from control_plane.telemetry.scraper import ScraperConfig
 
 from .conftest import free_port
 from .stack import (

@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from control_plane.model import Endpoint, Health, Telemetry
-from control_plane.policy import EndpointView, FleetView, WeightPolicy, fleet_view
-from control_plane.policy_registry import make_weight_policy, weight_policy_params
-from control_plane.weight_policies import CapacityParams, CapacityWeightPolicy, builtin_weight_policies, damp
+from control_plane.policies.contract import EndpointView, FleetView, WeightPolicy, fleet_view
+from control_plane.policies.registry import make_weight_policy, weight_policy_params
+from control_plane.policies.builtins import CapacityParams, CapacityWeightPolicy, builtin_weight_policies, damp
 
 NOW = 100.0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.policy_registry import make_weight_policy
+from control_plane.policies.registry import make_weight_policy
 from ext_proc.pick.registry import PluginRegistry
 from inferlb_runtime.plugins import PolicyAllowlist, PolicyNotFound
 

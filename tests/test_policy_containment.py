@@ -17,11 +17,11 @@ from control_plane.config import ControlPlaneConfig
 from control_plane.controller import Controller
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model import Health, Telemetry
-from control_plane.policy import EndpointView, FleetView
-from control_plane.policy_guard import WeightPolicyGuard
-from control_plane.policy_registry import make_weight_policy
-from control_plane.scraper import ScrapeOk
-from control_plane.weight_policies import CapacityWeightPolicy
+from control_plane.policies.contract import EndpointView, FleetView
+from control_plane.policies.guard import WeightPolicyGuard
+from control_plane.policies.registry import make_weight_policy
+from control_plane.telemetry.scraper import ScrapeOk
+from control_plane.policies.builtins import CapacityWeightPolicy
 from control_plane.xds import SnapshotCache
 from ext_proc.pick.cost import CostModel
 from ext_proc.metrics import ExtProcMetrics

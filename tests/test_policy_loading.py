@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from control_plane.policy import EndpointView, FleetView
-from control_plane.policy_registry import WeightPolicyRegistry, make_weight_policy
-from control_plane.weight_policies import CapacityWeightPolicy
+from control_plane.policies.contract import EndpointView, FleetView
+from control_plane.policies.registry import WeightPolicyRegistry, make_weight_policy
+from control_plane.policies.builtins import CapacityWeightPolicy
 from examples.policies.canary_weights import CanaryParams, CanaryWeightPolicy
 from examples.policies.sticky_session import SessionAffinity, SessionAffinityParams
 from ext_proc.pick.guard import GuardedPlugin
@@ -350,7 +350,7 @@ def test_loading_keeps_the_services_apart() -> None:
     """The control plane may import a pick policy's module (to describe it) without importing ext_proc."""
     code = textwrap.dedent(f"""
         import sys
-        import control_plane.policy_registry, control_plane.controller
+        import control_plane.policies.registry, control_plane.controller
         from inferlb_runtime import plugins
         allow = plugins.PolicyAllowlist(("examples",))
         plugins.describe("scorer", {STICKY!r}, plugins.resolve("scorer", {STICKY!r}, allow)[0], "spec")

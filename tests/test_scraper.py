@@ -15,7 +15,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from control_plane.model import Endpoint, Health, Telemetry
-from control_plane.scraper import (
+from control_plane.telemetry.scraper import (
     ScrapeFailed,
     ScrapeOk,
     Scraper,

@@ -16,9 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-import control_plane.scraper as scraper_module
+import control_plane.telemetry.scraper as scraper_module
 from control_plane.model import Endpoint
-from control_plane.scraper import ScrapeFailed, ScrapeOk, Scraper, ScraperConfig, ScrapeResult
+from control_plane.telemetry.scraper import ScrapeFailed, ScrapeOk, Scraper, ScraperConfig, ScrapeResult
 
 from .conftest import free_port
 from .test_scraper import DEADLINE_S, metrics_app, run, serving, until

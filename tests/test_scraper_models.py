@@ -9,9 +9,9 @@ import pytest
 from starlette.applications import Starlette
 
 from control_plane.model import Endpoint, Health
-from control_plane.scraper import ScrapeFailed, ScrapeOk, Scraper, apply_scrape_results
-from control_plane.served_models import MAX_ALIASES, MAX_MODELS, ServedModels, read_served_models
-from control_plane.telemetry import parse_families
+from control_plane.telemetry.scraper import ScrapeFailed, ScrapeOk, Scraper, apply_scrape_results
+from control_plane.telemetry.served_models import MAX_ALIASES, MAX_MODELS, ServedModels, read_served_models
+from control_plane.telemetry.parse import parse_families
 from inferlb_runtime.model_routing import DEFAULT_POOL
 
 from .conftest import free_port
@@ -144,7 +144,7 @@ def test_the_scraper_reads_the_catalogue_over_http_and_logs_bad_names_once(caplo
 
                 metrics.info = (MODEL_TYPE + 'inferlb_worker_model_info{model="m v2"} 1\n'
                                 'inferlb_worker_model_info{model="m-v3"} 1\n')
-                with caplog.at_level(logging.WARNING, logger="control_plane.scraper"):
+                with caplog.at_level(logging.WARNING, logger="control_plane.telemetry.scraper"):
                     for _ in range(2):
                         results = await scraper.scrape_once(client, (endpoint,))
                         assert isinstance(results[endpoint.id], ScrapeOk)  # a bad name fails no scrape

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from control_plane.model import Telemetry
-from control_plane.telemetry import (
+from control_plane.telemetry.parse import (
     WindowFigures,
     histogram_quantile,
     is_stale,

@@ -14,15 +14,15 @@ from control_plane.config import ControlPlaneConfig
 from control_plane.controller import Controller
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.model import Telemetry
-from control_plane.policy import FleetView
-from control_plane.policy_registry import WeightPolicyRegistry
-from control_plane.scraper import ScrapeOk
+from control_plane.policies.contract import FleetView
+from control_plane.policies.registry import WeightPolicyRegistry
+from control_plane.telemetry.scraper import ScrapeOk
 from control_plane.xds import SnapshotCache
 from inferlb_runtime import plugins
 from tests.stack import prometheus_samples, sample
 
-KIT = ("control_plane.policy", "control_plane.weight_policies", "control_plane.policy_registry",
-       "control_plane.policy_guard")
+KIT = ("control_plane.policies.contract", "control_plane.policies.builtins", "control_plane.policies.registry",
+       "control_plane.policies.guard")
 ENDPOINTS = ["127.0.0.1:9001", "127.0.0.1:9002"]
 
 

@@ -10,7 +10,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from control_plane.telemetry import parse_sample
+from control_plane.telemetry.parse import parse_sample
 
 from .stack import SimWorker, http, prometheus_samples, running_sim_workers, sample
 

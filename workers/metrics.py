@@ -146,7 +146,7 @@ class WorkerMetrics:
         """Load now: in flight, slots, CPU, rate, readiness and the fitted batch cost."""
         self.inflight = Gauge("inferlb_worker_inflight_requests", "Requests being served.", registry=r)
         # Balancers divide the work queued here over the slots: 3 in flight is a queue on a 1-slot worker
-        # and a free slot on a 4-slot one (control_plane/telemetry.py reads it; ext_proc/pick/costing.py uses it).
+        # and a free slot on a 4-slot one (control_plane/telemetry/parse.py reads it; ext_proc/pick/costing.py uses it).
         self.slots = Gauge("inferlb_worker_slots", "Jobs (batches, or simulated requests) this worker runs at once.",
                            registry=r)
         self.slots.set(1)

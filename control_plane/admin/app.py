@@ -13,13 +13,13 @@ from inferlb_runtime.request_context import RequestContextMiddleware
 
 from ..auth import AdminToken
 from ..controller import Controller
+from ..host_allowlist import AllowedHosts
 from ..metrics import ControlPlaneMetrics
 from ..nginx.applier import NginxApplier
 from .access import AdminAccess, TokenMiddleware
-from ..host_allowlist import AllowedHosts
-from .hosts import HostCheckMiddleware
 from .dashboard import dashboard_router
 from .errors import install_error_handlers
+from .hosts import HostCheckMiddleware
 from .routers.dataplane import dataplane_router
 from .routers.endpoints import endpoints_router
 from .routers.models import models_router

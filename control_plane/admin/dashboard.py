@@ -33,9 +33,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api_models import EndpointList, ModelCatalogueOut, PolicyState, XdsClients
 from ..config import ControlPlaneConfig
-from ..replica_activity import MetricsTarget
-from ..scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
-from ..telemetry import parse_families
+from ..telemetry.parse import parse_families
+from ..telemetry.replica_activity import MetricsTarget
+from ..telemetry.scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
 from . import dashboard_view as view
 from .dashboard_view import GatewayCounters, GatewayStatus, History, Sources
 from .errors import ApiError

@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client.metrics_core import Metric
 
 from ..api_models import EndpointList, EndpointOut, ModelCatalogueOut, PolicyState, XdsClients
-from ..telemetry import histogram_quantile
+from ..telemetry.parse import histogram_quantile
 
 DECISIONS = "inferlb_ext_proc_decisions"
 TENANT_REQUESTS = "inferlb_ext_proc_tenant_requests"

@@ -15,13 +15,13 @@ from typing import Any
 from inferlb_runtime import plugins
 from inferlb_runtime.plugins import PolicyAllowlist
 
-from .. import pick_catalogue
 from ..api_models import ActivePolicy, AvailablePolicies, PolicyState, PolicyUpdate
 from ..model import PickPolicySpec
-from ..policy import WeightPolicy
-from ..policy_registry import WeightPolicyRegistry, weight_policy_params
+from ..policies import pick_catalogue
+from ..policies.builtins import builtin_weight_policies
+from ..policies.contract import WeightPolicy
+from ..policies.registry import WeightPolicyRegistry, weight_policy_params
 from ..store import OperatorState, PolicyKind, StoredPolicy
-from ..weight_policies import builtin_weight_policies
 from .actions import Actions
 from .errors import ApiError
 from .views import json_safe, pick_policy_catalogue, weight_policy_catalogue

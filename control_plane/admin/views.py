@@ -13,7 +13,7 @@ from typing import Any
 
 from inferlb_runtime.model_routing import Rollout
 
-from .. import pick_catalogue
+from ..policies import pick_catalogue
 from ..api_models import (
     ApiKeyOut,
     AvailablePolicy,
@@ -35,10 +35,10 @@ from ..api_models import (
 )
 from ..model import Endpoint, FleetState, Telemetry
 from ..nginx.applier import NginxApplier
-from ..policy_registry import WeightPolicyRegistry
+from ..policies.registry import WeightPolicyRegistry
 from ..reserved_tenants import is_reserved
 from ..store import StoredApiKey, StoredRollout
-from ..telemetry import is_stale
+from ..telemetry.parse import is_stale
 from ..type_urls import SHORT_NAMES
 from ..xds import SnapshotCache
 

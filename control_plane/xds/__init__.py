@@ -14,10 +14,10 @@ Wiring, in the control plane::
     await stop_xds(server, cache)
 """
 
-from control_plane.xds.cache import NodeGroup, SnapshotCache, Watch, XdsCounters, default_node_group
-from control_plane.xds.clients import ClientStatus, Mode, NackInfo, NoopMetrics, TypeStatus, XdsMetrics
-from control_plane.xds.server import AggregatedDiscoveryServer, serve_xds, stop_xds
-from control_plane.xds.snapshot import Snapshot, VersionedResource, changed_types, make_epoch
+from .cache import NodeGroup, SnapshotCache, Watch, XdsCounters, default_node_group
+from .clients import ClientStatus, Mode, NackInfo, NoopMetrics, TypeStatus, XdsMetrics
+from .server import AggregatedDiscoveryServer, serve_xds, stop_xds
+from .snapshot import Snapshot, VersionedResource, changed_types, make_epoch
 
 __all__ = [
     "AggregatedDiscoveryServer",

@@ -24,8 +24,8 @@ from typing import Callable, Mapping
 
 from envoy.config.core.v3 import base_pb2
 
-from control_plane.xds.clients import ClientStatus, StreamRecord
-from control_plane.xds.snapshot import Snapshot
+from .clients import ClientStatus, StreamRecord
+from .snapshot import Snapshot
 
 NodeGroup = Callable[[base_pb2.Node], str]
 

@@ -21,10 +21,10 @@ from typing import Iterable
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf.message import Message
 
-from control_plane.type_urls import ENDPOINT
-from control_plane.xds.clients import Mode
-from control_plane.xds.protocol import FULL_STATE_TYPES, Plan, Sent, StreamProtocol, TypeState
-from control_plane.xds.snapshot import Snapshot, VersionedResource
+from ..type_urls import ENDPOINT
+from .clients import Mode
+from .protocol import FULL_STATE_TYPES, Plan, Sent, StreamProtocol, TypeState
+from .snapshot import Snapshot, VersionedResource
 
 
 @dataclass(slots=True)

@@ -44,10 +44,10 @@ from typing import Generic, Iterable, Mapping, TypeVar
 
 from google.protobuf.message import Message
 
-from control_plane.type_urls import CLUSTER, ENDPOINT, LISTENER, ROUTE, SERVED_TYPES, SHORT_NAMES
-from control_plane.xds.cache import SnapshotCache
-from control_plane.xds.clients import Mode, StreamRecord, XdsMetrics
-from control_plane.xds.snapshot import Snapshot, VersionedResource
+from ..type_urls import CLUSTER, ENDPOINT, LISTENER, ROUTE, SERVED_TYPES, SHORT_NAMES
+from .cache import SnapshotCache
+from .clients import Mode, StreamRecord, XdsMetrics
+from .snapshot import Snapshot, VersionedResource
 
 LOG = logging.getLogger(__name__)
 

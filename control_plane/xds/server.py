@@ -52,11 +52,11 @@ from inferlb_runtime.hostport import peer_address
 from inferlb_runtime.tls import PemFiles
 from inferlb_runtime.xds_node import METRICS_PORT_KEY
 
-from control_plane.xds.cache import SnapshotCache, Watch
-from control_plane.xds.clients import Mode, NoopMetrics, StreamRecord, XdsMetrics
-from control_plane.xds.delta import DeltaProtocol
-from control_plane.xds.protocol import StreamProtocol, log_extra
-from control_plane.xds.sotw import SotwProtocol
+from .cache import SnapshotCache, Watch
+from .clients import Mode, NoopMetrics, StreamRecord, XdsMetrics
+from .delta import DeltaProtocol
+from .protocol import StreamProtocol, log_extra
+from .sotw import SotwProtocol
 
 LOG = logging.getLogger(__name__)
 

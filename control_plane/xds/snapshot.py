@@ -33,7 +33,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import any_pb2
 from google.protobuf.message import Message
 
-from control_plane.type_urls import CLUSTER, ENDPOINT, EXTENSION_TYPES, SERVED_TYPES
+from ..type_urls import CLUSTER, ENDPOINT, EXTENSION_TYPES, SERVED_TYPES
 
 _TYPE_URL_PREFIX = "type.googleapis.com/"
 _HASH_HEX = 16

@@ -43,8 +43,8 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from control_plane.model import MAX_WEIGHT, MIN_WEIGHT, Health
-from control_plane.policy import EndpointView, FleetView
-from control_plane.weight_policies import CapacityWeightPolicy, clamp_weight
+from control_plane.policies.contract import EndpointView, FleetView
+from control_plane.policies.builtins import CapacityWeightPolicy, clamp_weight
 
 from .canary import CanaryShare as CanaryParams  # the same two parameters, checked the same way
 

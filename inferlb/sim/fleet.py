@@ -9,7 +9,7 @@ Nothing else is modelled: no batching across requests, no network, no
 rejections by the worker.
 
 The counters are the ones the control plane derives telemetry from
-(``control_plane/telemetry.py``'s ``Sample``) and the ones the ORCA header
+(``control_plane/telemetry/parse.py``'s ``Sample``) and the ones the ORCA header
 carries (``cpu_utilization`` and ``rps_fractional`` sampled every
 ``LOAD_SAMPLE_PERIOD_S`` like ``workers/metrics.py``'s ``LoadSampler``, and
 the in-flight count), so the real policies read what they read live.

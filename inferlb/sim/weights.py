@@ -1,7 +1,7 @@
 """The control plane's slow loop on simulated telemetry, running the real telemetry and WeightPolicy code.
 
 Every ``scrape_interval_s`` each worker's counters become a
-``control_plane.telemetry.Sample`` (what ``parse_sample`` would read from its
+``control_plane.telemetry.parse.Sample`` (what ``parse_sample`` would read from its
 /metrics), and the real ``window`` and ``smooth`` turn consecutive samples
 into ``Telemetry``; the real weight policy (``make_weight_policy``) computes
 weights from the real ``FleetView``. The result reaches the data plane
@@ -22,13 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 
 from control_plane.model import DEFAULT_WEIGHT, Health, Telemetry
-from control_plane.policy import EndpointView, FleetView, WeightPolicy
-from control_plane.policy_registry import make_weight_policy
-from control_plane.telemetry import HistogramSample, Sample, smooth, window
+from control_plane.policies.contract import EndpointView, FleetView, WeightPolicy
+from control_plane.policies.registry import make_weight_policy
+from control_plane.telemetry.parse import HistogramSample, Sample, smooth, window
 
 from .fleet import SimFleet
 
-SCRAPE_ALPHA = 0.3  # control_plane.scraper.ScraperConfig.alpha
+SCRAPE_ALPHA = 0.3  # control_plane.telemetry.scraper.ScraperConfig.alpha
 STALE_AFTER_INTERVALS = 4  # control_plane.config: stale_after_intervals
 PUSH_DELAY_S = 0.1  # control_plane.config: debounce_s
 _TELEMETRY_FIELDS = tuple(f.name for f in dataclasses.fields(Telemetry) if f.name != "observed_at")

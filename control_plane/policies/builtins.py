@@ -7,7 +7,7 @@
 
 Each is a class with a ``name``, a frozen ``Params`` dataclass and
 ``__init__(params)``, exactly what a user policy may be: the registry
-(``policy_registry.py``) builds built-ins and user policies the same way, so
+(``policies/registry.py``) builds built-ins and user policies the same way, so
 one validator (``inferlb_runtime.plugins.parse_params``) checks every
 policy's parameters. ``clamp_weight`` and ``damp`` are public because user
 policies (``examples/policies/canary_weights.py``) want the same rounding.
@@ -20,8 +20,8 @@ import statistics
 from dataclasses import dataclass
 from typing import ClassVar, Mapping
 
-from .model import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, Health, Telemetry
-from .policy import EndpointView, FleetView
+from ..model import DEFAULT_WEIGHT, MAX_WEIGHT, MIN_WEIGHT, Health, Telemetry
+from .contract import EndpointView, FleetView
 
 DEFAULT_WEIGHT_POLICY = "capacity"
 

@@ -21,9 +21,9 @@ import httpx
 
 from inferlb_runtime.hostport import authority
 
-from .model import Endpoint, Health, Telemetry
+from ..model import Endpoint, Health, Telemetry
+from .parse import Sample, parse_families, sample_from_families, smooth, window
 from .served_models import ServedModels, ServedModelsReading, read_served_models
-from .telemetry import Sample, parse_families, sample_from_families, smooth, window
 
 log = logging.getLogger(__name__)
 

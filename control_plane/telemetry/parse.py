@@ -22,7 +22,7 @@ from typing import Iterable, Mapping
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .model import Telemetry
+from ..model import Telemetry
 
 PREFIX = "inferlb_worker_"
 REQUESTS = PREFIX + "requests"  # counter{code}; the parser drops the ``_total`` suffix

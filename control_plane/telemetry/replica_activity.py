@@ -34,9 +34,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inferlb_runtime.hostport import authority
 
+from ..usage.readings import FAMILIES as USAGE_FAMILIES
+from ..usage.readings import START_TIME, ReplicaUsage, replica_usage
 from .scraper import ScrapeError, Scraper, ScraperConfig, fetch_metrics
-from .usage.readings import FAMILIES as USAGE_FAMILIES
-from .usage.readings import START_TIME, ReplicaUsage, replica_usage
 
 log = logging.getLogger("inferlb.control_plane.replicas")
 

@@ -29,9 +29,9 @@ from typing import Protocol
 
 from inferlb_runtime import plugins
 
-from .model import MAX_WEIGHT, MIN_WEIGHT
-from .policy import FleetView, WeightPolicy
-from .weight_policies import CapacityWeightPolicy, builtin_weight_policies, clamp_weight
+from ..model import MAX_WEIGHT, MIN_WEIGHT
+from .builtins import CapacityWeightPolicy, builtin_weight_policies, clamp_weight
+from .contract import FleetView, WeightPolicy
 
 log = logging.getLogger("inferlb.control_plane.policy")
 

@@ -3,7 +3,7 @@
 A name comes from the configuration, the admin API (``PUT /v1/policy``) or
 another replica's store rows, so it is untrusted. ``WeightPolicyRegistry``
 holds the operator's ``PolicyAllowlist`` and builds a built-in
-(``weight_policies.py``) by name, else a user policy: an ``inferlb.policies``
+(``policies/builtins.py``) by name, else a user policy: an ``inferlb.policies``
 entry point whose object declares ``kind = "weight"``, or a
 ``module:attribute`` spec under a module prefix the allowlist names.
 Built-ins and user policies go through the same
@@ -21,8 +21,8 @@ from typing import Any
 
 from inferlb_runtime import plugins
 
-from .policy import WeightPolicy
-from .weight_policies import builtin_weight_policies
+from .builtins import builtin_weight_policies
+from .contract import WeightPolicy
 
 
 class WeightPolicyRegistry:

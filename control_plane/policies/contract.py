@@ -10,9 +10,9 @@ endpoint, ``FleetView`` the whole fleet this round; both are frozen values,
 so a policy is unit-testable with no servers.
 
 The rest of the control plane's policy kit: the built-ins
-(``weight_policies.py``), the registry that loads and describes policies and
-holds the operator's allowlist (``policy_registry.py``), and the guard that
-contains a failing policy (``policy_guard.py``, owned by the ``Controller``).
+(``policies/builtins.py``), the registry that loads and describes policies and
+holds the operator's allowlist (``policies/registry.py``), and the guard that
+contains a failing policy (``policies/guard.py``, owned by the ``Controller``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Protocol
 
-from .model import DEFAULT_WEIGHT, Endpoint, Health, Telemetry
-from .telemetry import is_stale
+from ..model import DEFAULT_WEIGHT, Endpoint, Health, Telemetry
+from ..telemetry.parse import is_stale
 
 
 @dataclass(frozen=True)
