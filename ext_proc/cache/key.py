@@ -9,7 +9,6 @@ the key, so a different question never gets another's answer.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import orjson

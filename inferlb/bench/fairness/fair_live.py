@@ -179,7 +179,7 @@ class FairRunner(ScenarioRunner):
         opens, closes = t0 + self.plan.warmup_s, t0 + self.plan.warmup_s + self.plan.duration_s
         await asyncio.sleep(max(0.0, opens - loop.time()))
         start = await served(client, metrics_url, tenants)
-        while (next_at := loop.time() + PROGRESS_EVERY_S) < closes:
+        while loop.time() + PROGRESS_EVERY_S < closes:
             await asyncio.sleep(PROGRESS_EVERY_S)
             now = await served(client, metrics_url, tenants)
             spent = loop.time() - opens
