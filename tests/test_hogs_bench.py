@@ -55,7 +55,7 @@ def test_a_tiny_hogs_run_in_every_mode_and_order_stops_everything(out: Path, tmp
         assert run["sentences_sent"] == run["sentences_completed"] == 4 and run["sentence_errors"] == 0
         assert run["hogs_ok"] >= 1 and run["hog_errors"] == 0
         if run["mode"] == "direct":
-            assert run["hogs_sent"] == run["hogs_ok"] == 6  # 3 per worker, 2 workers
+            assert run["hogs_ended"] == run["hogs_ok"] == 6  # 3 per worker, 2 workers
         else:
             assert all(name in run for name in ENVOY_FIGURES)
             assert run["hog_tokens_per_s_alone"] > 0
@@ -110,7 +110,7 @@ def test_each_429_is_sorted_by_what_ext_proc_said() -> None:
 def row(**changes: object) -> dict:
     base = {"mode": "same-client", "order": "smallest", "scheduling": "las", "round": 1, "sentences_sent": 10,
             "sentences_completed": 10, "sentence_errors": 0, "sentence_p50_s": 0.02, "sentence_p99_s": 0.08,
-            "sentence_max_s": 0.09, "hogs_sent": 64, "hogs_ok": 60, "hog_p50_s": 4.0, "hog_429s": 4,
+            "sentence_max_s": 0.09, "hogs_ended": 64, "hogs_ok": 60, "hog_p50_s": 4.0, "hog_429s": 4,
             "hog_429_early": 4, "hog_429_after_waiting": 0, "hog_429_other": 0, "hog_429_p50_s": 0.001,
             "hog_429_p99_s": 0.003, "hog_errors": 0, "hog_tokens_per_s_alone": 10_000.0,
             "hog_tokens_per_s_with_sentences": 9_500.0, "hog_throughput_ratio": 0.95}
@@ -122,7 +122,7 @@ def test_the_targets_are_judged_as_the_issue_states_them() -> None:
     assert sentence_verdict(row(sentence_p99_s=TARGET_P99_S + 1e-4)) == "MISSED"
     assert sentence_verdict(row(sentence_errors=1)) == "MISSED (errors)"
     # a direct run whose hogs had all gone before its last sentence was sent did not measure a loaded worker
-    direct = row(mode="direct", hogs_sent=6, hogs_done_at_last_sentence_sent=6)
+    direct = row(mode="direct", hogs_ended=6, hogs_done_at_last_sentence_sent=6)
     assert sentence_verdict(direct).startswith("INVALID") and throughput_verdict(direct) == "-"
     assert throughput_verdict(row()) == "met" and throughput_verdict(row(hog_throughput_ratio=0.89)) == "MISSED"
     assert refusal_verdict(row()) == "met" and refusal_verdict(row(hog_429_p99_s=0.006)) == "MISSED"
@@ -135,7 +135,7 @@ def test_the_medians_over_rounds_and_the_tables() -> None:
             row(mode="other-client")]
     [same, other] = medians(runs)
     assert same["rounds"] == 3 and same["sentence_p99_s"] == 0.08 and same["hog_throughput_ratio"] == 0.95
-    assert (same["sentence_p99_min_s"], same["sentence_p99_max_s"]) == (0.04, 0.5) and same["hogs_sent"] == 192
+    assert (same["sentence_p99_min_s"], same["sentence_p99_max_s"]) == (0.04, 0.5) and same["hogs_ended"] == 192
     assert other["rounds"] == 1
     text = render({"plan": vars(HogsPlan()), "runs": runs, "medians": [same, other],
                    "failures": [{"round": 1, "run": "direct:smallest:las", "error": "boom"}]})

@@ -49,6 +49,7 @@ class Measured:
     hogs: list[HogAnswer]
     windows: dict[str, tuple[float, float]]  # phase -> (start, end), perf_counter
     fleet_tokens: dict[str, float]  # phase -> tokens the workers embedded in it
+    hogs_cancelled: int = 0  # in flight when the run ended (not in ``hogs``)
     hogs_done_at_last_sentence_sent: int | None = None  # direct mode
     hog_makespan_s: float | None = None  # direct mode
 
@@ -169,7 +170,7 @@ async def run_envoy(plan: HogsPlan, spec: RunSpec, out: Path, data_dir: Path, pr
                 marks.append((time.perf_counter(), await fleet_tokens(client, urls)))
             finally:
                 await loop.stop()
-    return Measured(spec, outcome, loop.answers,
+    return Measured(spec, outcome, loop.answers, hogs_cancelled=loop.cancelled,
                     windows={"alone": (marks[0][0], marks[1][0]), "with_sentences": (marks[1][0], marks[2][0])},
                     fleet_tokens={"alone": marks[1][1] - marks[0][1], "with_sentences": marks[2][1] - marks[1][1]})
 

@@ -65,6 +65,8 @@ class HogLoop:
         self.headers = {"content-type": "application/json", **headers}
         self.answers: list[HogAnswer] = []
         self.serial = 0
+        self.in_flight = 0
+        self.cancelled = 0  # in flight when ``stop`` came
         self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -74,6 +76,7 @@ class HogLoop:
     async def stop(self) -> None:
         """Stop replacing hogs and cancel the ones in flight (Envoy cancels them upstream)."""
         self._stopping = True
+        self.cancelled = self.in_flight
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -88,12 +91,15 @@ class HogLoop:
     async def once(self, serial: int) -> tuple[HogAnswer, float | None]:
         """Hog number ``serial``, sent and recorded; with the Retry-After it was given, if any."""
         started = time.perf_counter()
+        self.in_flight += 1
         try:
             response = await self.client.post(self.url, content=self.body(serial), headers=self.headers)
             status: int | None = response.status_code
             text, pause = response.text, _retry_after(response)
         except httpx.HTTPError:
             status, text, pause = None, "", None
+        finally:
+            self.in_flight -= 1
         ended = time.perf_counter()
         kind = kind_of(status, text)
         answer = HogAnswer(ended, kind, ended - started, self.tokens_per_hog if kind == OK else 0)

@@ -7,6 +7,8 @@ Issue 37's targets, each judged per row:
   fleet's with the hogs alone (the workers' token counters over each window, the sentences' own tokens
   taken out);
 - early refusal (Envoy modes): the hogs' 429s come in p99 <= 5 ms, and none after waiting.
+For direct, "with sentences" is the hogs' tokens over their makespan: the fleet's rate with every worker's
+queue full and no door in the way, to set the Envoy modes' rates against.
 """
 
 from __future__ import annotations
@@ -44,14 +46,19 @@ def figures(m: Measured) -> dict[str, Any]:
     kinds = {k: [a.seconds for a in m.hogs if a.kind == k] for k in (OK, EARLY, WAITED, OTHER_429, ERROR)}
     refusals = kinds[EARLY] + kinds[WAITED] + kinds[OTHER_429]
     row.update({
-        "hogs_sent": len(m.hogs), "hogs_ok": len(kinds[OK]), "hog_p50_s": _pct(kinds[OK], 50),
+        "hogs_ended": len(m.hogs), "hogs_cancelled_at_stop": m.hogs_cancelled, "hogs_ok": len(kinds[OK]),
+        "hog_p50_s": _pct(kinds[OK], 50),
         "hog_429s": len(refusals), "hog_429_early": len(kinds[EARLY]), "hog_429_after_waiting": len(kinds[WAITED]),
         "hog_429_other": len(kinds[OTHER_429]), "hog_429_p50_s": _pct(refusals, 50),
-        "hog_429_p99_s": _pct(refusals, 99), "hog_errors": len(kinds[ERROR]),
+        "hog_429_p99_s": _pct(refusals, 99), "hog_429_early_p99_s": _pct(kinds[EARLY], 99),
+        "hog_errors": len(kinds[ERROR]),
     })
     if m.spec.mode == DIRECT:
+        # the fleet's rate with every worker's queue full (no door): the hogs' tokens over their makespan
+        tokens = sum(a.tokens for a in m.hogs)
         row.update({"hogs_done_at_last_sentence_sent": m.hogs_done_at_last_sentence_sent,
-                    "hog_makespan_s": m.hog_makespan_s})
+                    "hog_makespan_s": m.hog_makespan_s,
+                    "hog_tokens_per_s_with_sentences": tokens / m.hog_makespan_s if m.hog_makespan_s else None})
         return row
     rates = {}
     for phase, (start, end) in m.windows.items():
@@ -74,7 +81,7 @@ def answered_rate(m: Measured, start: float, end: float) -> float:
 def sentence_verdict(row: dict[str, Any]) -> str:
     p99 = row["sentence_p99_s"]
     if row["mode"] == DIRECT and row.get("hogs_done_at_last_sentence_sent") is not None \
-            and row["hogs_done_at_last_sentence_sent"] >= row["hogs_sent"]:
+            and row["hogs_done_at_last_sentence_sent"] >= row["hogs_ended"]:
         return "INVALID (every hog had ended before the last sentence was sent)"
     if p99 is None or row["sentence_errors"]:
         return "MISSED (errors)"
@@ -103,9 +110,9 @@ def refusal_verdict(row: dict[str, Any]) -> str:
 # --- medians over rounds --------------------------------------------------------------------------------
 
 MEDIAN_FIGURES = ("sentence_p50_s", "sentence_p99_s", "sentence_max_s", "hog_p50_s", "hog_429_p50_s",
-                  "hog_429_p99_s", "hog_tokens_per_s_alone", "hog_tokens_per_s_with_sentences",
+                  "hog_429_p99_s", "hog_429_early_p99_s", "hog_tokens_per_s_alone", "hog_tokens_per_s_with_sentences",
                   "hog_throughput_ratio", "hog_makespan_s")
-SUMMED_FIGURES = ("sentences_sent", "sentences_completed", "sentence_errors", "hogs_sent", "hogs_ok", "hog_429s",
+SUMMED_FIGURES = ("sentences_sent", "sentences_completed", "sentence_errors", "hogs_ended", "hogs_ok", "hog_429s",
                   "hog_429_early", "hog_429_after_waiting", "hog_429_other", "hog_errors")
 
 
@@ -153,7 +160,7 @@ def render_table(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"{ms(r['sentence_p50_s'])} | {ms(r['sentence_p99_s'])}{spread} | {r['sentence_errors']} | "
             f"{sentence_verdict(r)} | {_n(r.get('hog_tokens_per_s_alone'))} | "
             f"{_n(r.get('hog_tokens_per_s_with_sentences'))} | {_n(r.get('hog_throughput_ratio'), 2)} | "
-            f"{throughput_verdict(r)} | {r['hogs_ok']}/{r['hogs_sent']} | {r['hog_429s']} "
+            f"{throughput_verdict(r)} | {r['hogs_ok']}/{r['hogs_ended']} | {r['hog_429s']} "
             f"({r['hog_429_after_waiting']}) | {ms(r['hog_429_p50_s'])} / {ms(r['hog_429_p99_s'])} | "
             f"{r['hog_errors']} | {refusal_verdict(r)} |")
     return lines
