@@ -302,6 +302,31 @@ def test_room_in_work_lets_a_short_request_into_a_gap_a_long_one_does_not_fit(co
     verdict.work.close()  # type: ignore[attr-defined]
 
 
+def test_a_sentence_fits_beside_a_batch_over_the_budget_and_a_second_batch_does_not(counter: TokenCounter) -> None:
+    """The workers serve the least attained service first: only work no larger than a request runs before
+    it there, so the door counts that work against the budget, not the batch in flight."""
+    stage, r = busy_fleet(counter, AdmissionRules(depth=1, room="work", budget_s=0.05), 8192)
+    assert r.outstanding.seconds > 0.05  # the batch in flight alone is over the budget
+    sentence, batch = context(body={"input": "one sentence"}), context(body={"input": ["word " * 250] * 32})
+    for ctx in (sentence, batch):
+        resolve(CountTokens(counter).on_request(ctx))
+    assert stage.on_request(sentence) is None
+    verdict = stage.on_request(batch)
+    assert type(verdict) is Wait
+    verdict.work.close()  # type: ignore[attr-defined]
+
+
+def test_in_flight_work_is_summed_by_request_size() -> None:
+    outstanding = router().outstanding
+    outstanding.begin(1, A.id, 16, 0.01)
+    outstanding.begin(2, A.id, 8192, 1.0)
+    assert outstanding.seconds_up_to(16) == pytest.approx(0.01)
+    assert outstanding.seconds_up_to(10_000) == pytest.approx(1.01)
+    outstanding.finish(2)
+    outstanding.finish(1)
+    assert outstanding.seconds_up_to(10_000) == 0.0 and outstanding.seconds == 0.0
+
+
 def test_a_request_that_cannot_get_its_turn_in_time_is_refused_at_once_with_a_retry_after(
         counter: TokenCounter) -> None:
     stage, _ = busy_fleet(counter, AdmissionRules(depth=1, room="work", budget_s=0.01), 100_000)

@@ -13,11 +13,16 @@ sweep only ever looks at the oldest ones.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 Clock = Callable[[], float]
+
+
+# Request sizes (tokens) the in-flight work is also summed by: a sentence, a paragraph, a batch, more.
+SIZE_BOUNDS = (64, 512, 4096)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,9 @@ class Outstanding:
         self._next_sweep = clock() + sweep_interval_s
         self.leaked = 0  # entries dropped by the safety net
         self.seconds = 0.0  # the predicted seconds of everything in flight (O(1) for admission's room)
+        # The same by request size (tokens, SIZE_BOUNDS): the work a worker serving least-attained-service
+        # first runs before a new request is about the work of requests no larger than it.
+        self.seconds_by_size = [0.0] * (len(SIZE_BOUNDS) + 1)
 
     def begin(self, request_key: Hashable, endpoint_id: str, tokens: int, predicted_s: float) -> None:
         """Count a request as in flight on ``endpoint_id``; a key already in flight is moved, not doubled."""
@@ -83,6 +91,7 @@ class Outstanding:
         totals.tokens += tokens
         totals.seconds += predicted_s
         self.seconds += predicted_s
+        self.seconds_by_size[bisect.bisect_left(SIZE_BOUNDS, tokens)] += predicted_s
 
     def finish(self, request_key: Hashable) -> bool:
         """Release a request; True the first time, False for an unknown or already finished key."""
@@ -117,6 +126,10 @@ class Outstanding:
             seconds += t.seconds
         return OutstandingLoad(requests, tokens, seconds)
 
+    def seconds_up_to(self, tokens: int) -> float:
+        """The predicted seconds in flight of requests no larger than ``tokens`` (by SIZE_BOUNDS' buckets)."""
+        return sum(self.seconds_by_size[: bisect.bisect_left(SIZE_BOUNDS, tokens) + 1])
+
     def snapshot(self) -> dict[str, OutstandingLoad]:
         """Every endpoint with work in flight (for metrics at scrape time)."""
         return {e: OutstandingLoad(t.requests, t.tokens, t.seconds) for e, t in self._totals.items()}
@@ -144,7 +157,12 @@ class Outstanding:
 
     def _release(self, request_key: Hashable) -> None:
         entry = self._entries.pop(request_key)
-        self.seconds = self.seconds - entry.predicted_s if self._entries else 0.0  # none left: no float drift
+        if self._entries:
+            self.seconds -= entry.predicted_s
+            self.seconds_by_size[bisect.bisect_left(SIZE_BOUNDS, entry.tokens)] -= entry.predicted_s
+        else:  # none left: no float drift
+            self.seconds = 0.0
+            self.seconds_by_size = [0.0] * (len(SIZE_BOUNDS) + 1)
         totals = self._totals[entry.endpoint_id]
         totals.requests -= 1
         if totals.requests <= 0:

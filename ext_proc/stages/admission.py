@@ -72,9 +72,11 @@ class Admission:
         return len(self.router.outstanding) + pending < self._endpoints
 
     def _fits(self, pending_tokens: float, tokens: float) -> bool:
-        """Rule "work": the predicted seconds sent per endpoint, with these, stay under the budget."""
-        return self.router.outstanding.seconds + (pending_tokens + tokens) / self._per_endpoint_rate \
-            <= self.rules.budget_s * self._endpoints
+        """Rule "work": the predicted seconds sent per endpoint that a worker runs before this request, with
+        its own, stay under the budget. The workers serve the least attained service first, so that is the
+        work of requests no larger than it: a sentence fits beside batches, a batch only where few wait."""
+        ahead = self.router.outstanding.seconds_up_to(int(tokens))
+        return ahead + (pending_tokens + tokens) / self._per_endpoint_rate <= self.rules.budget_s * self._endpoints
 
     @property
     def _per_endpoint_rate(self) -> float:
@@ -127,7 +129,7 @@ class Admission:
             if shed is not None:
                 return shed
         flow, weight, priority = self._flow(ctx), ctx.caller.weight, int(ctx.priority)
-        predicted = self._predicted_wait(gate.work_ahead(flow, weight, priority, cost))
+        predicted = self._predicted_wait(gate.work_ahead(flow, weight, priority, cost), cost)
         limit = min(gate.settings.max_wait_s, ctx.deadline - time.perf_counter() if ctx.deadline else math.inf)
         if self.rules.early_refusal and predicted > limit and ctx.priority is not Priority.CRITICAL:
             return self._refused_early(ctx, predicted, limit)
@@ -144,12 +146,13 @@ class Admission:
             client = source_host(ctx.opening) if ctx.opening is not None else None
         return f"{tenant}@{client}" if client else tenant
 
-    def _predicted_wait(self, work_ahead: float) -> float:
+    def _predicted_wait(self, work_ahead: float, tokens: int) -> float:
         """Seconds until its turn: the work queued ahead of it at the fleet's rate, plus (rule "work") the
-        time for what was sent beyond the budget to drain."""
+        time for what was sent beyond the budget, of requests no larger than it, to drain."""
         excess = 0.0
         if self.rules.room == "work":
-            excess = max(0.0, self.router.outstanding.seconds - self.rules.budget_s * self._endpoints) / self._endpoints
+            sent = self.router.outstanding.seconds_up_to(tokens)
+            excess = max(0.0, sent - self.rules.budget_s * self._endpoints) / self._endpoints
         return work_ahead / self._rate + excess
 
     def _refused_early(self, ctx: RequestContext, predicted: float, limit: float) -> Answer:
