@@ -13,12 +13,23 @@ the control plane's: an :class:`EndpointView` is one endpoint, a
 
 from __future__ import annotations
 
+import bisect
+
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from inferlb_runtime.api_keys import ANONYMOUS_TENANT
 from inferlb_runtime.model_routing import DEFAULT_POOL
 from inferlb_runtime.request_class import Priority
+
+# Request sizes (tokens) admission and the in-flight sums group requests by: a sentence, a paragraph, a batch,
+# more. A worker serving the least attained service first runs a request after those no larger than it.
+SIZE_BOUNDS = (64, 512, 4096)
+
+
+def size_bucket(tokens: float) -> int:
+    """The index of a request's size in SIZE_BOUNDS' buckets (0: a sentence ... 3: over 4,096 tokens)."""
+    return bisect.bisect_left(SIZE_BOUNDS, tokens)
 
 
 SLOTS_KEY = "slots"  # EDS telemetry: jobs the worker runs at once

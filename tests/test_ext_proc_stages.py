@@ -316,6 +316,26 @@ def test_a_sentence_fits_beside_a_batch_over_the_budget_and_a_second_batch_does_
     verdict.work.close()  # type: ignore[attr-defined]
 
 
+def test_a_sentence_is_not_held_behind_a_waiting_batch_that_does_not_fit(counter: TokenCounter) -> None:
+    """Room in work: a batch waiting for room for itself does not hold a sentence that fits now."""
+    stage, r = busy_fleet(counter, AdmissionRules(depth=1, room="work", budget_s=0.05, early_refusal=False), 8192)
+    batch, sentence = context(body={"input": ["word " * 250] * 32}), context(body={"input": "one sentence"})
+    for ctx in (batch, sentence):
+        resolve(CountTokens(counter).on_request(ctx))
+
+    async def scene() -> Answer | Wait | None:
+        verdict = stage.on_request(batch)
+        assert type(verdict) is Wait
+        waiting = asyncio.ensure_future(verdict.work)
+        await asyncio.sleep(0)  # let it queue (an event-loop turn, not a timed wait)
+        assert stage.gate is not None and stage.gate.waiting == 1
+        passed = stage.on_request(sentence)
+        waiting.cancel()
+        return passed
+
+    assert asyncio.run(scene()) is None
+
+
 def test_in_flight_work_is_summed_by_request_size() -> None:
     outstanding = router().outstanding
     outstanding.begin(1, A.id, 16, 0.01)

@@ -169,8 +169,14 @@ class FairGate:
 
     def passes_now(self, cost: float = 0.0) -> bool:
         """Whether :meth:`admit` would return at once (nothing waits and there is room for ``cost``): the
-        caller may have to warn its peer of a wait first (ext_proc extends Envoy's message timeout)."""
-        return not self._order and self._room(cost)
+        caller may have to warn its peer of a wait first (ext_proc extends Envoy's message timeout).
+
+        Counting room in work (``fits``), a request need only wait behind requests of its size or smaller:
+        a larger one waiting for room for itself does not hold a short one that fits now (the workers serve
+        the least attained service first, so it would not have run first there either)."""
+        if not self._order:
+            return self._room(cost)
+        return self._fits is not None and not self._order.waiting_no_larger(cost) and self._room(cost)
 
     def _room(self, cost: float) -> bool:
         fits = self._fits

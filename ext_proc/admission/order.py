@@ -71,6 +71,8 @@ from typing import Generic, TypeVar
 
 from inferlb_runtime.request_class import AGING_S, aged_rank
 
+from ..model import SIZE_BOUNDS, size_bucket
+
 BANDS = 3  # critical, standard, sheddable
 _COMPACT_SLACK = 64  # a heap is rebuilt when its stale items outnumber its live ones by more than this
 
@@ -210,7 +212,7 @@ class FairOrder(Generic[T]):
     """The admission queue's order (see the module docstring). ``aging_s=None``: strict bands."""
 
     __slots__ = ("max_queued", "max_per_tenant", "aging_s", "size_rate", "_bands", "_counts", "_deadlines", "_seq",
-                 "_size")
+                 "_size", "_by_size")
 
     def __init__(self, max_queued: int = 10_000, max_per_tenant: int = 1_000,
                  aging_s: float | None = AGING_S, size_rate: float | None = None) -> None:
@@ -229,6 +231,7 @@ class FairOrder(Generic[T]):
         self._deadlines: list[tuple[float, int, Entry[T]]] = []  # (deadline, seq, entry); left ones are stale
         self._seq = 0
         self._size = 0
+        self._by_size = [0] * (len(SIZE_BOUNDS) + 1)  # entries queued by size bucket (model.SIZE_BOUNDS)
 
     def __len__(self) -> int:
         return self._size
@@ -260,6 +263,7 @@ class FairOrder(Generic[T]):
         if flow.push(entry):  # its flow's new head (it overtook the one tagged before: that tag is stale)
             self._tag_head(band, flow)
         band.work += entry.cost
+        self._by_size[size_bucket(entry.cost)] += 1
         band.arrivals[entry] = None
         self._counts.add(entry.tenant)
         self._size += 1
@@ -326,6 +330,10 @@ class FairOrder(Generic[T]):
                 return victim
         raise AssertionError(f"tenant {largest!r} is counted but has no flow")  # pragma: no cover
 
+    def waiting_no_larger(self, cost: float) -> bool:
+        """Whether an entry of a size (bucket) no larger than ``cost`` waits."""
+        return any(self._by_size[: size_bucket(cost) + 1])
+
     def key(self, cost: float, arrived: float) -> float:
         """An entry's order within its flow: its arrival, plus its cost's worth of aging (size_rate)."""
         return arrived if self.size_rate is None else arrived + cost / self.size_rate
@@ -384,6 +392,7 @@ class FairOrder(Generic[T]):
         """The bookkeeping shared by every way out of the queue."""
         entry.queued = False
         band.work -= entry.cost
+        self._by_size[size_bucket(entry.cost)] -= 1
         del band.arrivals[entry]
         self._counts.sub(entry.tenant)
         self._size -= 1

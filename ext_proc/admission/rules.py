@@ -9,10 +9,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from ..model import SIZE_BOUNDS, size_bucket
+
 # The request size the fleet's rate is read at (tokens): a typical embeddings request's.
 RATE_PROBE_TOKENS = 256
-# Size buckets of the admission-wait metric, by tokens (labels: le_64, le_512, le_4096, gt_4096).
-SIZE_BUCKETS = (64, 512, 4096)
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,6 @@ class AdmissionRules:
 
 
 def size_label(tokens: int) -> str:
-    for bound in SIZE_BUCKETS:
-        if tokens <= bound:
-            return f"le_{bound}"
-    return f"gt_{SIZE_BUCKETS[-1]}"
+    """The admission-wait metric's size label: le_64, le_512, le_4096, gt_4096."""
+    bucket = size_bucket(tokens)
+    return f"le_{SIZE_BOUNDS[bucket]}" if bucket < len(SIZE_BOUNDS) else f"gt_{SIZE_BOUNDS[-1]}"

@@ -13,16 +13,13 @@ sweep only ever looks at the oldest ones.
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from ..model import SIZE_BOUNDS, size_bucket
+
 Clock = Callable[[], float]
-
-
-# Request sizes (tokens) the in-flight work is also summed by: a sentence, a paragraph, a batch, more.
-SIZE_BOUNDS = (64, 512, 4096)
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,7 @@ class Outstanding:
         totals.tokens += tokens
         totals.seconds += predicted_s
         self.seconds += predicted_s
-        self.seconds_by_size[bisect.bisect_left(SIZE_BOUNDS, tokens)] += predicted_s
+        self.seconds_by_size[size_bucket(tokens)] += predicted_s
 
     def finish(self, request_key: Hashable) -> bool:
         """Release a request; True the first time, False for an unknown or already finished key."""
@@ -128,7 +125,7 @@ class Outstanding:
 
     def seconds_up_to(self, tokens: int) -> float:
         """The predicted seconds in flight of requests no larger than ``tokens`` (by SIZE_BOUNDS' buckets)."""
-        return sum(self.seconds_by_size[: bisect.bisect_left(SIZE_BOUNDS, tokens) + 1])
+        return sum(self.seconds_by_size[: size_bucket(tokens) + 1])
 
     def snapshot(self) -> dict[str, OutstandingLoad]:
         """Every endpoint with work in flight (for metrics at scrape time)."""
@@ -159,7 +156,7 @@ class Outstanding:
         entry = self._entries.pop(request_key)
         if self._entries:
             self.seconds -= entry.predicted_s
-            self.seconds_by_size[bisect.bisect_left(SIZE_BOUNDS, entry.tokens)] -= entry.predicted_s
+            self.seconds_by_size[size_bucket(entry.tokens)] -= entry.predicted_s
         else:  # none left: no float drift
             self.seconds = 0.0
             self.seconds_by_size = [0.0] * (len(SIZE_BOUNDS) + 1)

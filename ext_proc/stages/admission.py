@@ -148,10 +148,10 @@ class Admission:
 
     def _predicted_wait(self, work_ahead: float, tokens: int) -> float:
         """Seconds until its turn: the work queued ahead of it at the fleet's rate, plus (rule "work") the
-        time for what was sent beyond the budget, of requests no larger than it, to drain."""
+        time for the work sent of requests no larger than it to drain until it fits beside it."""
         excess = 0.0
-        if self.rules.room == "work":
-            sent = self.router.outstanding.seconds_up_to(tokens)
+        if self.rules.room == "work":  # until what was sent has drained enough for it to fit, its own work too
+            sent = self.router.outstanding.seconds_up_to(tokens) + tokens / self._per_endpoint_rate
             excess = max(0.0, sent - self.rules.budget_s * self._endpoints) / self._endpoints
         return work_ahead / self._rate + excess
 
