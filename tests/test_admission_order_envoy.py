@@ -1,15 +1,17 @@
 """Size-aware admission through the real wire: Envoy, the control plane, ext_proc and a real ONNX worker.
 
-The door is made to hold everything but one request (an admission budget of a millisecond: only an idle
-worker takes one), so the worker runs requests one at a time, in the order ext_proc lets them through: the
-order the client sees them completed is the admission order. Each test queues "hogs" (batches of unique
-sentences, so no cache answers) behind one in flight, then sends a one-sentence request, and asserts the
-order and the outcomes, never a time:
+The door is made to hold every request of its size class but one (an admission budget of a millisecond:
+a hog or a paragraph enters only at an idle worker), so the worker runs them one at a time, in the order
+ext_proc lets them through: the order the client sees them completed is the admission order. Each test
+queues "hogs" (about 1,600 tokens of unique sentences, so no cache answers) behind a long one in flight,
+then sends a "paragraph" (about 600 tokens: a smaller request of the same size class, which waits behind
+them) or a one-sentence request, and asserts the order and the outcomes, never a time:
 
-- least work first: the sentence overtakes the hogs its own client queued before it;
-- aging: with aging so fast that a hog's size is worth microseconds, a sentence sent later waits its turn;
-- one flow per client: in first-in-first-out order, another client's sentence still goes before the first
-  client's queued hogs (its own sentence does not);
+- a sentence does not wait behind hogs at all: it fits beside them (the workers serve it first);
+- least work first: a paragraph overtakes the hogs its own client queued before it;
+- aging: with aging so fast that a hog's size is worth microseconds, a paragraph sent later waits its turn;
+- one flow per client: in first-in-first-out order, another client's paragraph still goes before the
+  first client's queued hogs (its own paragraph does not);
 - early refusal: a request whose predicted wait is past the maximum is answered 429 at once, with a
   Retry-After from that prediction, and counted as such.
 """
@@ -45,6 +47,7 @@ from .stack import (
 pytestmark = [pytest.mark.slow, pytest.mark.servers, pytest.mark.envoy, pytest.mark.model]
 
 HOG_INPUTS, HOG_WORDS = 16, 100  # a hog: 16 sentences of about 100 tokens, a fraction of a second on one core
+PARAGRAPH_INPUTS = 6  # a paragraph: 6 such sentences, about 600 tokens: the hogs' size class, smaller
 # The first hog holds the worker while the others queue: 128 inputs of 256 tokens, seconds on one core, so
 # that the rest of the scene is set long before it ends (a wait_for fails loudly if it ever is not).
 FIRST_INPUTS, FIRST_WORDS = 128, 250
@@ -151,36 +154,43 @@ def queue_hogs(d: Door, count: int, address: str = "127.0.0.1") -> None:
                      f"answered {[(n, d.answers[n].status_code, d.answers[n].text[:200]) for n in d.done]})", d.procs)
 
 
-def test_a_sentence_overtakes_the_hogs_its_own_client_queued_before_it(tmp_path: Path, data_dir: Path) -> None:
+def test_smaller_requests_overtake_the_hogs_their_own_client_queued_before_them(tmp_path: Path,
+                                                                                 data_dir: Path) -> None:
     # 10 tokens a second of aging: a hog (about 1,600 tokens) is overtaken for minutes after it came.
     with door(tmp_path, data_dir, {**PATIENT, "INFERLB_EXT_PROC_FAIR_QUEUE_SIZE_RATE": "10"}) as d:
         queue_hogs(d, 4)
+        d.send("paragraph", sentences(PARAGRAPH_INPUTS, HOG_WORDS))
+        wait_for(lambda: d.queued() == 4, 60, "the paragraph to wait at the door", d.procs)
         d.send("sentence", sentences(1, 6))
         d.join()
         assert all(r.status_code == 200 for r in d.answers.values()), d.answers
-        assert d.done[:2] == ["hog0", "sentence"], d.done  # next after the one in flight, before hog1..3
+        order = d.done
+        # The paragraph waits in its size class, first: it goes before hog1..3.
+        assert all(order.index("paragraph") < order.index(f"hog{i}") for i in (1, 2, 3)), order
+        # The sentence waits behind none of them: it fits beside the hogs.
+        assert all(order.index("sentence") < order.index(f"hog{i}") for i in (1, 2, 3)), order
 
 
-def test_an_aged_hog_goes_before_a_sentence_sent_after_it(tmp_path: Path, data_dir: Path) -> None:
+def test_an_aged_hog_goes_before_a_paragraph_sent_after_it(tmp_path: Path, data_dir: Path) -> None:
     # A billion tokens a second: a hog's size is worth microseconds of waiting, so arrival order wins.
     with door(tmp_path, data_dir, {**PATIENT, "INFERLB_EXT_PROC_FAIR_QUEUE_SIZE_RATE": "1000000000"}) as d:
         queue_hogs(d, 3)
-        d.send("sentence", sentences(1, 6))
+        d.send("paragraph", sentences(PARAGRAPH_INPUTS, HOG_WORDS))
         d.join()
         assert all(r.status_code == 200 for r in d.answers.values()), d.answers
-        assert d.done[0] == "hog0" and d.done[-1] == "sentence", d.done  # behind every hog queued before it
+        assert d.done[0] == "hog0" and d.done[-1] == "paragraph", d.done  # behind every hog queued before it
 
 
 def test_each_client_without_a_key_is_its_own_flow(tmp_path: Path, data_dir: Path) -> None:
     with door(tmp_path, data_dir, {**PATIENT, "INFERLB_EXT_PROC_FAIR_QUEUE_ORDER": "fifo"}) as d:
         queue_hogs(d, 4)  # from 127.0.0.1
-        d.send("other client", sentences(1, 6), address="127.0.0.2")
-        wait_for(lambda: d.queued() == 4, 60, "the other client's sentence to wait", d.procs)
-        d.send("same client", sentences(1, 6))
+        d.send("other client", sentences(PARAGRAPH_INPUTS, HOG_WORDS), address="127.0.0.2")
+        wait_for(lambda: d.queued() == 4, 60, "the other client's paragraph to wait", d.procs)
+        d.send("same client", sentences(PARAGRAPH_INPUTS, HOG_WORDS))
         d.join()
         assert all(r.status_code == 200 for r in d.answers.values()), d.answers
         order = d.done
-        assert order.index("other client") == 1, order  # its own flow's head: next after the one in flight
+        assert order.index("other client") == order.index("hog0") + 1, order  # its own flow's head: next
         assert order.index("same client") == len(order) - 1, order  # first in, first out within its flow
         # The metric names the tenant, never a client's address.
         depth = [labels for (name, labels) in d.ext_proc.metrics() if name == "inferlb_ext_proc_fair_queue_depth"]

@@ -148,11 +148,15 @@ class Admission:
 
     def _predicted_wait(self, work_ahead: float, tokens: int) -> float:
         """Seconds until its turn: the work queued ahead of it at the fleet's rate, plus (rule "work") the
-        time for the work sent of requests no larger than it to drain until it fits beside it."""
+        time for the work sent of requests no larger than it to drain until it fits beside it (a request
+        larger than the budget fits only at an idle endpoint: then all that was sent)."""
         excess = 0.0
-        if self.rules.room == "work":  # until what was sent has drained enough for it to fit, its own work too
-            sent = self.router.outstanding.seconds_up_to(tokens) + tokens / self._per_endpoint_rate
-            excess = max(0.0, sent - self.rules.budget_s * self._endpoints) / self._endpoints
+        if self.rules.room == "work":
+            own, budget = tokens / self._per_endpoint_rate, self.rules.budget_s * self._endpoints
+            if own > budget:  # it enters only at an idle endpoint: everything in flight goes first
+                excess = self.router.outstanding.seconds / self._endpoints
+            else:  # until the work of its size or smaller has drained enough for it to fit
+                excess = max(0.0, self.router.outstanding.seconds_up_to(tokens) + own - budget) / self._endpoints
         return work_ahead / self._rate + excess
 
     def _refused_early(self, ctx: RequestContext, predicted: float, limit: float) -> Answer:
