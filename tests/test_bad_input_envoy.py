@@ -516,7 +516,7 @@ def test_slow_clients_do_not_starve_the_others(stack: Stack) -> None:
                                         timeout=30).status_code for i in range(30))
         assert codes == {200: 30}, codes
         assert _envoy_stat(stack.envoy, active) >= before + SLOW_CONNECTIONS // 2  # they were still open meanwhile
-    wait_for(lambda: stack.ext_proc.pick.outstanding() == 0, 30, "ext_proc to release the slow requests", stack.procs)
+    wait_for(lambda: stack.ext_proc.outstanding() == 0, 30, "ext_proc to release the slow requests", stack.procs)
 
 
 # --- afterwards ------------------------------------------------------------------------------------
@@ -525,7 +525,7 @@ def test_slow_clients_do_not_starve_the_others(stack: Stack) -> None:
 def test_every_process_survived_and_nothing_is_left_in_flight(stack: Stack) -> None:
     for proc in stack.procs:
         proc.check_alive()
-    wait_for(lambda: stack.ext_proc.pick.outstanding() == 0, 30, "ext_proc's in-flight count back to 0", stack.procs)
+    wait_for(lambda: stack.ext_proc.outstanding() == 0, 30, "ext_proc's in-flight count back to 0", stack.procs)
     for proc in (stack.ext_proc.proc, stack.cp.proc, stack.worker_proc):
         assert "Traceback" not in proc.log(), proc.tail(40)
     assert not any(status >= 500 for _, status in stack.tally), stack.tally

@@ -111,7 +111,7 @@ def test_a_body_over_ext_procs_cap_gets_ext_procs_own_413_unchanged(stack: Stack
     assert error == {"message": f"request body is over the limit of {EXT_PROC_LIMIT} bytes",  # ext_proc's words
                      "type": "invalid_request_error", "param": None, "code": "request_too_large"}
     assert sample(stack.ext_proc.metrics(), "inferlb_ext_proc_fallbacks_total", reason="body_too_large") == before + 1
-    assert stack.ext_proc.pick.outstanding() == 0
+    assert stack.ext_proc.outstanding() == 0
 
 
 def test_a_workers_own_error_passes_unchanged(stack: Stack) -> None:

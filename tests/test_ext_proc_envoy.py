@@ -122,7 +122,7 @@ class Stack:
     def wait_idle(self) -> None:
         """No request in flight anywhere (work a previous test abandoned has finished)."""
         wait_for(lambda: all(worker_metric(w, "inferlb_worker_inflight_requests") == 0 for w in self.workers)
-                 and self.ext_proc.pick.outstanding() == 0, 30, "every worker and ext_proc to be idle", self.procs)
+                 and self.ext_proc.outstanding() == 0, 30, "every worker and ext_proc to be idle", self.procs)
 
 
 @pytest.fixture(scope="module", params=[pytest.param("native", marks=pytest.mark.native), "grpcio"])
@@ -186,10 +186,10 @@ def test_a_client_that_disconnects_early_releases_its_outstanding_work(stack: St
             f"Content-Length: {len(body)}\r\n\r\n").encode()
     with socket.create_connection(("127.0.0.1", stack.port), timeout=10) as sock:
         sock.sendall(head + body)
-        wait_for(lambda: stack.ext_proc.pick.outstanding() == 1, 15, "ext_proc to count the request as outstanding",
+        wait_for(lambda: stack.ext_proc.outstanding() == 1, 15, "ext_proc to count the request as outstanding",
                  stack.procs)
     # The socket is closed before any answer: Envoy resets the request and its ext_proc stream.
-    wait_for(lambda: stack.ext_proc.pick.outstanding() == 0, 15, "the outstanding work to be released", stack.procs)
+    wait_for(lambda: stack.ext_proc.outstanding() == 0, 15, "the outstanding work to be released", stack.procs)
     assert ext_metric(stack.ext_proc, "inferlb_ext_proc_released_total", how="early") == early + 1
     assert ext_metric(stack.ext_proc, "inferlb_ext_proc_outstanding_leaked") == 0
 
@@ -205,7 +205,7 @@ def test_an_oversized_body_gets_413_not_a_hang(stack: Stack) -> None:
                                timeout=30)
     assert response.status_code == 413, response.text
     assert decisions(stack.ext_proc) == before  # never reached a decision
-    assert stack.ext_proc.pick.outstanding() == 0
+    assert stack.ext_proc.outstanding() == 0
     # Just under the limit still goes through ext_proc: one gRPC message of ~4 MiB, over gRPC's default
     # 4 MiB receive limit with its framing. (JSON whitespace: cheap for the worker to parse.)
     near = b'{"input": "near the limit"' + b" " * (4 * 1024 * 1024 - 64) + b"}"

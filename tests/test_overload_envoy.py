@@ -65,10 +65,10 @@ def test_a_burst_on_slow_workers_sheds_sheddable_requests_and_serves_every_criti
                 idle = list(pool.map(post, ["sheddable"] * 2))
                 assert [r.status_code for r in idle] == [200, 200], [r.text for r in idle]
             assert {r.headers.get("x-inferlb-endpoint") for r in idle} <= ids
-            wait_for(lambda: ext_proc.pick.outstanding() == 0, 30, "ext_proc to see the idle requests answered", procs)
+            wait_for(lambda: ext_proc.outstanding() == 0, 30, "ext_proc to see the idle requests answered", procs)
 
             critical = [pool.submit(post, "critical") for _ in range(BURST)]
-            wait_for(lambda: ext_proc.pick.outstanding() >= BURST, 30, "the burst to be in flight", procs)
+            wait_for(lambda: ext_proc.outstanding() >= BURST, 30, "the burst to be in flight", procs)
             shed = list(pool.map(post, ["sheddable"] * SHEDDABLE))
             answered = [f.result(timeout=120) for f in critical]
 
