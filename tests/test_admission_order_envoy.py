@@ -51,8 +51,10 @@ PARAGRAPH_INPUTS = 6  # a paragraph: 6 such sentences, about 600 tokens: the hog
 # The first hog holds the worker while the others queue: 128 inputs of 256 tokens, seconds on one core, so
 # that the rest of the scene is set long before it ends (a wait_for fails loudly if it ever is not).
 FIRST_INPUTS, FIRST_WORDS = 128, 250
-# The order tests wait long on purpose: no refusal at once, and a maximum wait within Envoy's 10 s.
-PATIENT = {"INFERLB_EXT_PROC_EARLY_REFUSAL": "false", "INFERLB_EXT_PROC_FAIR_QUEUE_MAX_WAIT_S": "9"}
+# The order tests wait as long as it takes on a loaded host: no refusal at once, a maximum wait of 50 s,
+# and Envoy told to wait for ext_proc that long (its max_message_timeout, 60 s here).
+PATIENT = {"INFERLB_EXT_PROC_EARLY_REFUSAL": "false", "INFERLB_EXT_PROC_FAIR_QUEUE_MAX_WAIT_S": "50"}
+CP_ENV = {"INFERLB_CP_DATA_PLANE__EXT_PROC_MAX_MESSAGE_TIMEOUT_MS": "60000"}
 WORDS = ("cat", "mat", "river", "stone", "cloud", "lamp", "tree", "bird", "road", "glass", "field", "storm")
 
 
@@ -117,7 +119,7 @@ def door(tmp_path: Path, data_dir: Path, env: Mapping[str, str]) -> Iterator[Doo
         xds_port, admin_port, listener_port, ext_proc_port = free_ports(4)
         cp = stack.enter_context(running_control_plane(tmp_path, endpoints=[worker_id], xds_port=xds_port,
                                                        admin_port=admin_port, listener_port=listener_port,
-                                                       ext_proc_port=ext_proc_port))
+                                                       ext_proc_port=ext_proc_port, env=CP_ENV))
         ext_proc = stack.enter_context(running_ext_proc(tmp_path, xds_port=cp.xds_port, port=ext_proc_port,
                                                         node_id="ext-proc-door", env={
                                                             "INFERLB_EXT_PROC_ADMISSION_BUDGET_S": "0.001",
