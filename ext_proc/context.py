@@ -112,6 +112,11 @@ class RequestContext:
     def trace_id(self) -> str | None:
         return trace_id_of(self.span) if self.span is not None else None
 
+    @property
+    def bodiless(self) -> bool:
+        """No body came (a GET, decided at its headers): no listing, cache or wait applies to a body."""
+        return self.headers_phase and not self.held
+
     def chain_request(self, request: RequestView) -> RequestView:
         """The request as the pick chain sees it: its class, budget left, tenant and key id (a sticky
         rollout's)."""

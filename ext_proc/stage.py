@@ -27,10 +27,6 @@ from typing import Any, Optional, Protocol
 from .context import Answer, RequestContext, Verdict
 from .xds.fleet_view import FleetView
 
-HOOKS = ("on_request_headers", "on_request", "on_response_headers", "on_response_body", "on_response_end",
-         "on_end", "on_view")
-
-
 class Stage(Protocol):
     """A request stage: a name (for its metrics and log lines), and any of the hooks above."""
 

@@ -118,7 +118,7 @@ class Admission:
         it (tell Envoy); never a GET (it costs nothing) nor an unknown model's 404."""
         gate = self.gate
         cost = max(ctx.tokens, 1)
-        if gate is None or ctx.headers_phase and not ctx.held or gate.passes_now(cost):
+        if gate is None or ctx.bodiless or gate.passes_now(cost):
             return None
         assert ctx.request is not None
         view = self.source.view

@@ -55,7 +55,7 @@ class GatewayCache:
     # -- the request: look up ---------------------------------------------------
     def on_request(self, ctx: RequestContext) -> Verdict:
         """Unresolvable (no view, nothing routable, an unknown model): routed as without a cache."""
-        if ctx.headers_phase and not ctx.held or not cacheable_request(ctx.headers):
+        if ctx.bodiless or not cacheable_request(ctx.headers):
             return None
         view = self.source.view
         asked = directives(ctx.headers)

@@ -30,7 +30,7 @@ class ListModels:
         self._answer: tuple[ModelCatalogue, bytes] | None = None  # the list, per catalogue
 
     def on_request(self, ctx: RequestContext) -> Answer | None:
-        if not ctx.headers_phase or ctx.held:  # a body came: not a listing
+        if not ctx.bodiless:  # a body came: not a listing
             return None
         headers = ctx.headers
         path = headers.get(":path", "").partition("?")[0]
